@@ -1,0 +1,5 @@
+import sys
+
+from dsacache.cli.main import main
+
+sys.exit(main())

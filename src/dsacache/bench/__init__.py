@@ -1,0 +1,1 @@
+"""GPU benchmarks with a correctness gate: ``python -m dsacache.bench --help``."""

@@ -1,0 +1,45 @@
+"""``python -m dsacache.bench SUITE``: time dsacache's kernels on a CUDA device.
+
+Each suite module defines ``add_arguments(parser)`` and ``run(args) -> list[BenchRow]``;
+every suite checks correctness before it times anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dsacache.bench.harness import copy_ceiling_gbps, machine_header, print_report, require_cuda
+
+#: suite name -> module under dsacache.bench
+SUITES = {
+    "kcache": "dsacache.bench.k_cache",
+    "logits": "dsacache.bench.logits",
+    "topk": "dsacache.bench.topk",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsacache bench", description=__doc__)
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    sub = parser.add_subparsers(dest="suite", required=True)
+    for name, module in SUITES.items():
+        mod = importlib.import_module(module)
+        mod.add_arguments(sub.add_parser(name, help=mod.__doc__.splitlines()[0]))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    require_cuda()
+    header = machine_header()
+    ceiling = copy_ceiling_gbps()
+    args.ceiling_gbps = ceiling
+    rows = importlib.import_module(SUITES[args.suite]).run(args)
+    print_report(header, ceiling, rows, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ``dsacache`` command line (``dsacache.cli.main:main``)."""

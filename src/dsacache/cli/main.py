@@ -1,0 +1,163 @@
+"""``dsacache`` command line: ``plan``, ``simulate`` and ``bench``.
+
+Bad settings exit with status 2 and one ``dsacache: error: ...`` line, never a traceback.
+``plan`` imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from dsacache.config.model import BUILTIN_MODELS, ConfigError, load_model
+from dsacache.config.serving import (
+    DEFAULT_CACHE_FRACTION,
+    H200_MEMORY_BYTES,
+    INDEXER_BACKENDS,
+    PD_REFERENCE_TP,
+    TARGET_ARCHS,
+    CacheConfig,
+    SpeculativeConfig,
+    parse_attention_config,
+)
+from dsacache.formats.sizes import KV_CACHE_DTYPES
+
+DEFAULT_MODEL = "kimi-k3.1"
+DEFAULT_CONTEXT_LENGTH = 32768
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"48GiB"``, ``"50GB"``, ``"5e10"`` or ``"123456"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 48GiB, 50GB, 5e10)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def parse_tp_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tensor parallel size must be an integer or a comma list, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"tensor parallel sizes must be >= 1, got {text!r}")
+    return values
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and serving options shared by ``plan`` and ``simulate`` (vLLM spellings)."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="PATH", help="a config.json (top level or text_config), or its directory")
+    src.add_argument("--model", default=None, help=f"a built-in model: {', '.join(BUILTIN_MODELS)} "
+                                                   f"(default {DEFAULT_MODEL})")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=parse_tp_list, default=[8], metavar="N[,N...]",
+                        help="TP size, or a comma list such as 1,2,4,8,16 for a table (default 8)")
+    parser.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=KV_CACHE_DTYPES,
+                        help="MLA latent cache dtype (default fp8_ds_mla)")
+    parser.add_argument("--attention-config", metavar="JSON", default=None,
+                        help='e.g. \'{"indexer_kv_dtype": "mxfp4"}\' (auto|fp8|mxfp4; default auto = fp8)')
+    parser.add_argument("--speculative-config", metavar="JSON", default=None,
+                        help='e.g. \'{"method": "dspark", "num_speculative_tokens": 3, "model": "kimi-k3.1-dspark"}\'')
+    parser.add_argument("--prefill-context-parallel-size", type=int, default=1, metavar="N")
+    parser.add_argument("--decode-context-parallel-size", type=int, default=1, metavar="N")
+    parser.add_argument("--target-arch", default="sm90", choices=TARGET_ARCHS,
+                        help="GPU architecture; decides which backends can read MXFP4 keys (default sm90)")
+    parser.add_argument("--indexer-backend", default="triton", choices=INDEXER_BACKENDS,
+                        help="indexer logits backend that must read the keys (default triton)")
+    parser.add_argument("--reference-tp", type=int, default=PD_REFERENCE_TP, metavar="N",
+                        help=f"TP size the packed block size is computed at (default {PD_REFERENCE_TP})")
+    budget = parser.add_argument_group("memory budget (per GPU)")
+    budget.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                        help="bytes for the pool, e.g. 48GiB (overrides the two options below)")
+    budget.add_argument("--gpu-memory", type=parse_bytes, default=H200_MEMORY_BYTES, metavar="SIZE",
+                        help="GPU memory (default 141GB, an H200)")
+    budget.add_argument("--cache-fraction", type=float, default=DEFAULT_CACHE_FRACTION, metavar="F",
+                        help=f"share of --gpu-memory left for the cache after weights and activations "
+                             f"(default {DEFAULT_CACHE_FRACTION})")
+
+
+def configs_from_args(args: argparse.Namespace) -> list[CacheConfig]:
+    """One validated :class:`CacheConfig` per requested TP size."""
+    model = load_model(args.config if args.config else (args.model or DEFAULT_MODEL))
+    if not 0 < args.cache_fraction <= 1:
+        raise ConfigError(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
+    budget = args.kv_cache_memory_bytes or int(args.gpu_memory * args.cache_fraction)
+    options = dict(
+        kv_cache_dtype=args.kv_cache_dtype,
+        indexer_kv_dtype=parse_attention_config(args.attention_config) if args.attention_config else "auto",
+        speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        target_arch=args.target_arch,
+        indexer_backend=args.indexer_backend,
+        reference_tp=args.reference_tp,
+        cache_memory_bytes=budget,
+    )
+    return [CacheConfig.from_model(model, tensor_parallel_size=tp, **options) for tp in args.tensor_parallel_size]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dsacache.planner import plan
+    from dsacache.planner.report import exchange_table, render_text, render_tp_table, summarize
+
+    layouts = [plan(c) for c in configs_from_args(args)]
+    summaries = [summarize(layout, args.context_length) for layout in layouts]
+    if args.plot:
+        from dsacache.planner.plot import plot_layout
+
+        plot_layout(layouts[0], summaries[0], args.plot)
+    if args.json:
+        print(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2))
+    elif len(summaries) == 1:
+        print(render_text(summaries[0]))
+    else:
+        print(render_tp_table(summaries, exchange_table(layouts)))
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from dsacache.cli.simulate import run
+
+    return run(args, configs_from_args(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsacache", description="The packed DSA cache for hybrid sparse-attention LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan the packed cache of a model and report capacity and waste")
+    add_model_arguments(p)
+    p.add_argument("--context-length", "--max-model-len", type=int, default=DEFAULT_CONTEXT_LENGTH, metavar="N",
+                   help=f"request length for the concurrency figure (default {DEFAULT_CONTEXT_LENGTH})")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a list for a TP list)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the row layout and capacity (needs matplotlib)")
+    p.set_defaults(func=cmd_plan)
+    s = sub.add_parser("simulate", help="replay a synthetic request stream through the row allocator (CPU)")
+    add_model_arguments(s)
+    from dsacache.cli.simulate import add_arguments as add_sim_arguments
+
+    add_sim_arguments(s)
+    s.set_defaults(func=cmd_simulate)
+    b = sub.add_parser("bench", help="time the GPU kernels (same as python -m dsacache.bench)", add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=lambda a: __import__("dsacache.bench.__main__", fromlist=["main"]).main(a.rest))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, NotImplementedError) as exc:
+        print(f"dsacache: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""``dsacache simulate``: replay a synthetic request stream through the row allocator.
+
+The packed layout and the power-of-two layout get the same pool bytes and the same
+stream; the report compares peak concurrency, row utilisation, prefix hits and refusals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dsacache.config.model import ConfigError
+from dsacache.config.serving import CacheConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace, configs: list[CacheConfig]) -> int:
+    from dsacache.planner import plan
+    from dsacache.sim import default_workload, run_simulation
+
+    if len(configs) != 1:
+        raise ConfigError("simulate takes one --tensor-parallel-size, not a list")
+    packed = plan(configs[0])
+    if not packed.is_packed:
+        raise ConfigError(f"simulate needs a KDA-hybrid DSA model; {packed.config.model.name} has a plain paged layout")
+    pow2 = packed.with_block_size(packed.pow2_block_size)
+    report = run_simulation(packed, pow2, default_workload(seed=args.seed), progress=not args.no_progress)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    return 0

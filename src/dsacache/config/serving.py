@@ -1,0 +1,236 @@
+"""Serving options and the frozen, validated :class:`CacheConfig` (pure Python).
+
+Option names follow vLLM's launch flags so a user can paste them. Every refusal in
+``packing.md`` is raised here, once, as a :class:`ConfigError` (a ``ValueError``) or a
+``NotImplementedError`` that names the setting and the allowed values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from dsacache.config.model import ConfigError, ModelSpec, load_model
+from dsacache.formats.sizes import (
+    INDEXER_KV_DTYPES,
+    KERNEL_PAGE_SIZE,
+    KV_CACHE_DTYPES,
+    MXFP4_GROUP_SIZE,
+    resolve_indexer_kv_dtype,
+)
+
+#: TP size at which packed block sizes are computed, then scaled to the serving TP, so
+#: prefill and decode instances whose TP sizes divide it can exchange blocks.
+PD_REFERENCE_TP = 8
+
+#: An H200's HBM, and the share of it assumed left for the cache by default: after the
+#: TP-8 shard of a ~1T-parameter 4-bit model (~70 GB) and activations/graphs (~20 GB).
+H200_MEMORY_BYTES = 141 * 10**9
+DEFAULT_CACHE_FRACTION = 0.35
+
+SPECULATIVE_METHODS = ("eagle", "eagle3", "dspark", "mtp", "deepseek_mtp", "ngram", "medusa", "draft_model", "suffix")
+#: Speculative methods whose draft model keeps its own MLA pages in the packed row.
+MLA_DRAFT_METHODS = ("eagle3", "dspark")
+
+TARGET_ARCHS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120", "gfx942", "gfx950")
+#: Which indexer-logits backend can read MXFP4 keys on which architecture. The reference
+#: design (DeepGEMM) reads them only on SM10x; dsacache's Triton kernels decode e2m1 to e4m3
+#: in registers and need FP8 tensor-core dots (SM89+, or OCP-FP8 AMD parts).
+MXFP4_READERS = {
+    "triton": ("sm89", "sm90", "sm100", "sm103", "sm120", "gfx950"),
+    "deepgemm": ("sm100", "sm103"),
+}
+INDEXER_BACKENDS = tuple(MXFP4_READERS)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM-style ``--speculative-config``; ``draft`` holds the draft model's MLA facts, if any."""
+
+    method: str
+    num_speculative_tokens: int
+    kv_cache_dtype: str | None = None
+    draft: ModelSpec | None = None
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config.method={self.method!r}; allowed: {', '.join(SPECULATIVE_METHODS)}"
+            )
+        n = self.num_speculative_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {n!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"speculative_config.kv_cache_dtype={self.kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}"
+            )
+
+    @property
+    def has_mla_draft(self) -> bool:
+        """The draft keeps dense MLA pages in the packed row (``eagle3``/``dspark`` with an MLA draft)."""
+        return self.method in MLA_DRAFT_METHODS and self.draft is not None
+
+    @classmethod
+    def from_json(cls, text_or_dict: str | Mapping[str, Any]) -> "SpeculativeConfig":
+        """Parse ``{"method", "num_speculative_tokens", "kv_cache_dtype"?, "model"? | "draft_config"?}``.
+
+        ``model`` is a path to the draft's ``config.json`` (or its directory) or a built-in
+        name such as ``kimi-k3.1-dspark``; ``draft_config`` is the draft config inline.
+        """
+        raw = _parse_json_option(text_or_dict, "--speculative-config")
+        unknown = sorted(set(raw) - {"method", "num_speculative_tokens", "kv_cache_dtype", "model", "draft_config"})
+        if unknown:
+            raise ConfigError(
+                f"--speculative-config: unknown keys {unknown}; allowed: method, num_speculative_tokens, "
+                "kv_cache_dtype, model, draft_config"
+            )
+        if "method" not in raw or "num_speculative_tokens" not in raw:
+            raise ConfigError("--speculative-config needs 'method' and 'num_speculative_tokens'")
+        if "model" in raw and "draft_config" in raw:
+            raise ConfigError("--speculative-config: give the draft as 'model' or 'draft_config', not both")
+        draft = None
+        if "draft_config" in raw:
+            draft = ModelSpec.from_dict(raw["draft_config"], name="speculative_config.draft_config")
+        elif "model" in raw:
+            draft = load_model(raw["model"])
+        return cls(raw["method"], raw["num_speculative_tokens"], raw.get("kv_cache_dtype"), draft)
+
+
+def _parse_json_option(value: str | Mapping[str, Any], option: str) -> dict:
+    if isinstance(value, Mapping):
+        return dict(value)
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{option}: malformed JSON ({exc.msg}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{option}: expected a JSON object, got {value!r}")
+    return parsed
+
+
+def parse_attention_config(value: str | Mapping[str, Any]) -> str:
+    """``--attention-config '{"indexer_kv_dtype": ...}'`` -> the requested ``indexer_kv_dtype``."""
+    raw = _parse_json_option(value, "--attention-config")
+    unknown = sorted(set(raw) - {"indexer_kv_dtype"})
+    if unknown:
+        raise ConfigError(f"--attention-config: unknown keys {unknown}; allowed: indexer_kv_dtype")
+    return raw.get("indexer_kv_dtype", "auto")
+
+
+def _positive_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A model plus serving options, validated on construction (immutable).
+
+    Build one with :meth:`from_model` (built-in name or path) or :meth:`from_config_dict`.
+    ``cache_memory_bytes`` is the per-GPU budget for the pool; by default
+    ``H200_MEMORY_BYTES * DEFAULT_CACHE_FRACTION``.
+    """
+
+    model: ModelSpec
+    tensor_parallel_size: int = 8
+    kv_cache_dtype: str = "fp8_ds_mla"
+    indexer_kv_dtype: str = "auto"
+    speculative: SpeculativeConfig | None = None
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    target_arch: str = "sm90"
+    indexer_backend: str = "triton"
+    reference_tp: int = PD_REFERENCE_TP
+    alignment: int = KERNEL_PAGE_SIZE
+    cache_memory_bytes: int = field(default=int(H200_MEMORY_BYTES * DEFAULT_CACHE_FRACTION))
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size",
+                     "reference_tp", "alignment", "cache_memory_bytes"):
+            _positive_int(getattr(self, name), name)
+        self._check_choices()
+        self._check_parallelism()
+        if self.alignment % KERNEL_PAGE_SIZE:
+            raise ConfigError(f"alignment={self.alignment} must be a multiple of the {KERNEL_PAGE_SIZE}-token kernel page")
+        self._check_indexer_dtype()
+
+    def _check_choices(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
+        if self.indexer_kv_dtype not in INDEXER_KV_DTYPES:
+            raise ConfigError(f"indexer_kv_dtype={self.indexer_kv_dtype!r}; allowed: {', '.join(INDEXER_KV_DTYPES)}")
+        if self.target_arch not in TARGET_ARCHS:
+            raise ConfigError(f"target_arch={self.target_arch!r}; allowed: {', '.join(TARGET_ARCHS)}")
+        if self.indexer_backend not in INDEXER_BACKENDS:
+            raise ConfigError(f"indexer_backend={self.indexer_backend!r}; allowed: {', '.join(INDEXER_BACKENDS)}")
+
+    def _check_parallelism(self) -> None:
+        tp, kda = self.tensor_parallel_size, self.model.kda
+        if kda is not None and kda.num_heads % tp:
+            allowed = [d for d in range(1, kda.num_heads + 1) if kda.num_heads % d == 0]
+            raise ConfigError(
+                f"tensor_parallel_size={tp} does not divide the {kda.num_heads} KDA heads; "
+                f"allowed: {', '.join(map(str, allowed))}"
+            )
+        if tp % self.decode_context_parallel_size:
+            raise ConfigError(
+                f"decode_context_parallel_size={self.decode_context_parallel_size} must divide "
+                f"tensor_parallel_size={tp}"
+            )
+
+    def _check_indexer_dtype(self) -> None:
+        """MXFP4 keys: only through the fused insert, never with PCP, only where the backend reads them."""
+        if self.resolved_indexer_kv_dtype != "mxfp4":
+            return
+        indexer = self.model.indexer
+        if indexer is not None and not indexer.has_fused_key_insert:
+            raise ConfigError(
+                "indexer_kv_dtype='mxfp4' needs the fused key insert (index_k_norm_type='layernorm' and "
+                f"index_rope_dim=0); this model has index_k_norm_type={indexer.k_norm_type!r}, "
+                f"index_rope_dim={indexer.rope_dim}. Use indexer_kv_dtype='fp8'"
+            )
+        if indexer is not None and indexer.head_dim % MXFP4_GROUP_SIZE:
+            raise ConfigError(
+                f"indexer_kv_dtype='mxfp4' needs index_head_dim divisible by {MXFP4_GROUP_SIZE}, "
+                f"got {indexer.head_dim}"
+            )
+        if self.prefill_context_parallel_size > 1:
+            raise ConfigError(
+                "indexer_kv_dtype='mxfp4' is refused with prefill context parallelism "
+                f"(prefill_context_parallel_size={self.prefill_context_parallel_size}); use 1 or indexer_kv_dtype='fp8'"
+            )
+        readers = MXFP4_READERS[self.indexer_backend]
+        if self.target_arch not in readers:
+            raise ConfigError(
+                f"indexer_kv_dtype='mxfp4': backend {self.indexer_backend!r} cannot read MXFP4 keys on "
+                f"{self.target_arch}; it can on: {', '.join(readers)}"
+            )
+
+    @property
+    def resolved_indexer_kv_dtype(self) -> str:
+        """``"fp8"`` or ``"mxfp4"``."""
+        return resolve_indexer_kv_dtype(self.indexer_kv_dtype)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def draft_kv_cache_dtype(self) -> str:
+        """The draft's MLA cache dtype: the speculative config's if set, else the main one."""
+        if self.speculative and self.speculative.kv_cache_dtype:
+            return self.speculative.kv_cache_dtype
+        return self.kv_cache_dtype
+
+    @classmethod
+    def from_model(cls, model: str | Path | ModelSpec, **options: Any) -> "CacheConfig":
+        """From a built-in name (``kimi-k3.1``, ...), a ``config.json`` path/dir, or a ModelSpec."""
+        spec = model if isinstance(model, ModelSpec) else load_model(model)
+        return cls(model=spec, **options)
+
+    @classmethod
+    def from_config_dict(cls, raw: Mapping[str, Any], name: str = "config.json", **options: Any) -> "CacheConfig":
+        """From an already-parsed HF ``config.json`` dict."""
+        return cls(model=ModelSpec.from_dict(raw, name=name), **options)

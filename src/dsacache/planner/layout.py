@@ -1,0 +1,220 @@
+"""The planner: a :class:`CacheConfig` in, a :class:`CacheLayout` out. Pure Python.
+
+For a KDA-hybrid DSA model the layout is the packed block row of ``packing.md``: equal
+rows that hold either ``block_size`` tokens of every attention layer (an attention row)
+or ``states_per_row`` KDA states (a state row). Other models get a plain paged layout
+whose rows are single 64-token kernel pages. Byte pictures: ``docs/layout.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from dsacache.config.serving import CacheConfig, ConfigError
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.planner import accounting as acc
+from dsacache.planner.accounting import StateShape
+
+
+@dataclass(frozen=True)
+class AttentionSlot:
+    """Where one attention layer's pages sit inside a 64-token sub-row (byte offsets)."""
+
+    layer: int  # 1-based model layer number
+    mla_offset: int
+    mla_entry_bytes: int
+    index_offset: int
+    index_entry_bytes: int  # 0 without an indexer
+
+
+@dataclass(frozen=True)
+class DraftSlot:
+    """Where one dense MLA draft layer's page sits inside a 64-token sub-row."""
+
+    index: int  # 0-based draft layer
+    mla_offset: int
+    mla_entry_bytes: int
+
+
+@dataclass(frozen=True)
+class StateSlot:
+    """Where one KDA layer's state sits among a request's state rows."""
+
+    layer: int  # 1-based model layer number
+    state_row: int  # 0-based among the request's state rows
+    slot: int  # 0..states_per_row-1
+    offset: int  # bytes from the start of the row
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The planned pool. ``kind`` is ``"packed"`` or ``"paged"``; see the module docstring."""
+
+    config: CacheConfig
+    kind: str
+    block_size: int
+    reference_tp: int
+    row_bytes_per_token: int
+    mla_bytes_per_token: int
+    index_bytes_per_token: int
+    draft_bytes_per_token: int
+    state: StateShape | None
+    states_per_row: int
+    num_rows: int
+    dsa_layers: tuple[AttentionSlot, ...]
+    draft_layers: tuple[DraftSlot, ...]
+    kda_layers: tuple[StateSlot, ...]
+    pow2_block_size: int | None
+    kernel_page_size: int = KERNEL_PAGE_SIZE
+
+    @property
+    def is_packed(self) -> bool:
+        return self.kind == "packed"
+
+    @property
+    def pages_per_row(self) -> int:
+        return self.block_size // self.kernel_page_size
+
+    @property
+    def page_stride_bytes(self) -> int:
+        """``stride(0)`` of every per-layer paged view: one 64-token sub-row."""
+        return self.kernel_page_size * self.row_bytes_per_token
+
+    @property
+    def row_bytes(self) -> int:
+        return self.block_size * self.row_bytes_per_token
+
+    @property
+    def num_kernel_pages(self) -> int:
+        return self.num_rows * self.pages_per_row
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the pool holds if every row is an attention row."""
+        return self.num_rows * self.block_size
+
+    @property
+    def state_bytes(self) -> int:
+        return self.state.nbytes if self.state else 0
+
+    @property
+    def num_kda_layers(self) -> int:
+        return self.config.model.num_kda_layers
+
+    @property
+    def state_rows_per_request(self) -> int:
+        if not self.states_per_row:
+            return 0
+        return math.ceil(self.num_kda_layers / self.states_per_row)
+
+    @property
+    def indexer_head_dim(self) -> int | None:
+        indexer = self.config.model.indexer
+        return indexer.head_dim if indexer else None
+
+    @property
+    def indexer_kv_dtype(self) -> str:
+        return self.config.resolved_indexer_kv_dtype
+
+    @property
+    def mla_kv_cache_dtype(self) -> str:
+        return self.config.kv_cache_dtype
+
+    def attention_rows_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def rows_per_request(self, num_tokens: int) -> int:
+        """State rows plus attention rows that one request of ``num_tokens`` occupies."""
+        return self.state_rows_per_request + self.attention_rows_for(num_tokens)
+
+    def with_block_size(self, block_size: int) -> "CacheLayout":
+        """The same pool bytes cut into rows of another block size (e.g. :attr:`pow2_block_size`)."""
+        if block_size % self.kernel_page_size:
+            raise ConfigError(f"block_size={block_size} must be a multiple of {self.kernel_page_size}")
+        if block_size * self.row_bytes_per_token < self.states_per_row * self.state_bytes:
+            raise ConfigError(f"block_size={block_size} rows cannot hold {self.states_per_row} KDA states")
+        num_rows = self.pool_bytes // (block_size * self.row_bytes_per_token)
+        return dataclasses.replace(self, block_size=block_size, num_rows=num_rows)
+
+
+def packed_block_size(config: CacheConfig, row_bytes_per_token: int, states_per_row: int) -> tuple[int, int]:
+    """(block_size, reference_tp): the TP-invariant packed block size of ``packing.md``.
+
+    ``reference_tp = lcm(config.reference_tp, tp)``; the number of alignment units is
+    computed at the reference TP (where the state is smallest) and the block scaled by
+    ``reference_tp / tp``, so block sizes at TP sizes dividing the reference divide each other.
+    """
+    tp, align = config.tensor_parallel_size, config.alignment
+    reference_tp = math.lcm(config.reference_tp, tp)
+    need = states_per_row * acc.state_bytes(config) * tp
+    units = -(-need // (align * reference_tp * row_bytes_per_token))
+    return align * units * (reference_tp // tp), reference_tp
+
+
+def pow2_block_size(row_bytes_per_token: int, states_bytes: int, page: int = KERNEL_PAGE_SIZE) -> int:
+    """The smallest power-of-two block (>= one kernel page) whose row holds ``states_bytes``."""
+    block = page
+    while block * row_bytes_per_token < states_bytes:
+        block *= 2
+    return block
+
+
+def _attention_slots(config: CacheConfig, mla: int, index: int) -> tuple[AttentionSlot, ...]:
+    page, slots, offset = KERNEL_PAGE_SIZE, [], 0
+    for layer in config.model.attention_layers:
+        slots.append(AttentionSlot(layer, offset, mla, offset + page * mla, index))
+        offset += page * (mla + index)
+    return tuple(slots)
+
+
+def _draft_slots(config: CacheConfig, start: int) -> tuple[DraftSlot, ...]:
+    entry = acc.draft_entry_bytes(config)
+    return tuple(
+        DraftSlot(i, start + i * KERNEL_PAGE_SIZE * entry, entry) for i in range(acc.num_draft_layers(config))
+    )
+
+
+def _state_slots(config: CacheConfig, per_row: int, nbytes: int) -> tuple[StateSlot, ...]:
+    layers = config.model.kda.layers
+    return tuple(StateSlot(layer, i // per_row, i % per_row, (i % per_row) * nbytes) for i, layer in enumerate(layers))
+
+
+def plan(config: CacheConfig, num_rows: int | None = None) -> CacheLayout:
+    """Plan the pool for ``config``; ``num_rows`` overrides the count the memory budget gives.
+
+    >>> layout = plan(CacheConfig.from_model("kimi-k3.1"))
+    >>> layout.block_size, layout.row_bytes_per_token, layout.states_per_row
+    (1216, 15840, 23)
+    """
+    model = config.model
+    mla, index = acc.mla_bytes_per_token(config), acc.index_bytes_per_token(config)
+    draft = acc.draft_bytes_per_token(config)
+    per_token = acc.row_bytes_per_token(config)
+    state = acc.kda_state_shape(config)
+    attention = _attention_slots(config, mla, index)
+    drafts = _draft_slots(config, len(attention) * KERNEL_PAGE_SIZE * (mla + index))
+    if model.is_packed_hybrid:
+        per_row = acc.states_per_row(model.num_dsa_layers, model.num_kda_layers)
+        block, reference_tp = packed_block_size(config, per_token, per_row)
+        pow2 = pow2_block_size(per_token, per_row * state.nbytes)
+        kind, kda_slots = "packed", _state_slots(config, per_row, state.nbytes)
+    else:
+        per_row, block, reference_tp, pow2 = 0, KERNEL_PAGE_SIZE, config.reference_tp, None
+        kind, kda_slots = "paged", ()
+    if state is not None and state.recurrent_offset % 4 or (state and state.nbytes % 4):
+        raise ConfigError(f"KDA state of {state.nbytes} B is not 4-byte aligned; fp32 recurrent states need it")
+    rows = config.cache_memory_bytes // (block * per_token) if num_rows is None else num_rows
+    if rows < 0:
+        raise ConfigError(f"num_rows must be >= 0, got {rows}")
+    return CacheLayout(
+        config=config, kind=kind, block_size=block, reference_tp=reference_tp,
+        row_bytes_per_token=per_token, mla_bytes_per_token=mla, index_bytes_per_token=index,
+        draft_bytes_per_token=draft, state=state, states_per_row=per_row, num_rows=rows,
+        dsa_layers=attention, draft_layers=drafts, kda_layers=kda_slots, pow2_block_size=pow2,
+    )
