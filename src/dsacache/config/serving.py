@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from dsacache.config.model import ConfigError, ModelSpec, load_model
+from dsacache.config.model import (
+    BUILTIN_MODELS,
+    ConfigError,
+    ModelSpec,
+    builtin_config_dict,
+    load_config_dict,
+    load_model,
+)
 from dsacache.formats.sizes import (
     INDEXER_KV_DTYPES,
     KERNEL_PAGE_SIZE,
@@ -92,10 +99,28 @@ class SpeculativeConfig:
             raise ConfigError("--speculative-config: give the draft as 'model' or 'draft_config', not both")
         draft = None
         if "draft_config" in raw:
-            draft = ModelSpec.from_dict(raw["draft_config"], name="speculative_config.draft_config")
+            draft = _mla_draft(raw["draft_config"], "speculative_config.draft_config")
         elif "model" in raw:
-            draft = load_model(raw["model"])
+            draft = _mla_draft(*_draft_source(raw["model"]))
         return cls(raw["method"], raw["num_speculative_tokens"], raw.get("kv_cache_dtype"), draft)
+
+
+def _draft_source(model: Any) -> tuple[Any, str]:
+    if not isinstance(model, str):
+        raise ConfigError(f"speculative_config.model must be a path or a built-in name, got {model!r}")
+    if model in BUILTIN_MODELS:
+        return builtin_config_dict(model), model
+    return load_config_dict(model)
+
+
+def _mla_draft(raw: Any, name: str) -> ModelSpec | None:
+    """The draft's MLA facts, or None for a draft without ``kv_lora_rank`` (no MLA pages)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{name}: expected a JSON object")
+    cfg = raw.get("text_config", raw)
+    if not isinstance(cfg, Mapping) or "kv_lora_rank" not in cfg:
+        return None
+    return ModelSpec.from_dict(raw, name=name)
 
 
 def _parse_json_option(value: str | Mapping[str, Any], option: str) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dsacache.config.serving import MXFP4_READERS, ConfigError
+from dsacache.config.serving import MLA_DRAFT_METHODS, MXFP4_READERS, ConfigError
 from dsacache.planner.layout import CacheLayout
 
 #: Keys of ``dsacache plan --json`` that are a stable contract.
@@ -102,7 +102,20 @@ def summarize(layout: CacheLayout, context_length: int) -> dict:
     }
     if packed:
         out["pow2"] = _capacity(layout.with_block_size(layout.pow2_block_size), context_length)
+    out["notes"] = _notes(layout)
     return out
+
+
+def _notes(layout: CacheLayout) -> list[str]:
+    """Settings the user may not expect to have no effect."""
+    config, notes = layout.config, []
+    spec = config.speculative
+    if spec is not None and spec.method in MLA_DRAFT_METHODS and spec.draft is None:
+        notes.append(f"speculative method {spec.method!r} without an MLA draft config (no 'model'/'draft_config' "
+                     "with kv_lora_rank): no draft pages planned")
+    if config.model.indexer is None and config.indexer_kv_dtype != "auto":
+        notes.append(f"indexer_kv_dtype={config.indexer_kv_dtype!r} has no effect: the model has no indexer")
+    return notes
 
 
 def _layout_dict(layout: CacheLayout) -> dict:
@@ -156,6 +169,7 @@ def render_text(summary: dict) -> str:
     lines += _packed_lines(s) if s["kind"] == "packed" else _paged_lines(s)
     lines += ["", "MXFP4 indexer keys on " + s["target_arch"] + ": readable by "
               + (", ".join(s["mxfp4_readable_by"]) or "no backend")]
+    lines += [f"note: {note}" for note in s["notes"]]
     return "\n".join(lines)
 
 
