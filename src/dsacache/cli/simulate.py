@@ -2,6 +2,7 @@
 
 The packed layout and the power-of-two layout get the same pool bytes and the same
 stream; the report compares peak concurrency, row utilisation, prefix hits and refusals.
+A paged (non-hybrid) layout has no power-of-two counterpart and is simulated alone.
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ def run(args: argparse.Namespace, configs: list[CacheConfig]) -> int:
 
     if len(configs) != 1:
         raise ConfigError("simulate takes one --tensor-parallel-size, not a list")
-    packed = plan(configs[0])
-    if not packed.is_packed:
-        raise ConfigError(f"simulate needs a KDA-hybrid DSA model; {packed.config.model.name} has a plain paged layout")
-    pow2 = packed.with_block_size(packed.pow2_block_size)
-    report = run_simulation(packed, pow2, default_workload(seed=args.seed), progress=not args.no_progress)
+    layout = plan(configs[0])
+    report = run_simulation(layout, None, default_workload(seed=args.seed), progress=not args.no_progress)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
     return 0

@@ -1,0 +1,28 @@
+"""The runtime cache: one pool, per-layer paged views, a row allocator, per-step metadata.
+
+Pipeline: a planned ``CacheLayout`` -> :class:`CachePool` (the bytes and typed views) and
+:class:`RowAllocator` (which request owns which rows) -> per scheduler step, the
+kernel-page block table, :func:`compute_slot_mapping` and :func:`build_indexer_metadata`,
+built once and read by every layer.
+"""
+
+from dsacache.runtime.allocator import OutOfRowsError, PrefixStats, RowAllocator
+from dsacache.runtime.block_table import build_block_table, kernel_pages
+from dsacache.runtime.dcp import dcp_local_len, dcp_local_position, dcp_owner
+from dsacache.runtime.metadata import (
+    IndexerStepMetadata,
+    PrefillChunk,
+    build_indexer_metadata,
+    decode_context_lens,
+    plan_prefill_chunks,
+)
+from dsacache.runtime.pool import CachePool
+from dsacache.runtime.prefix import PrefixCache, hash_block
+from dsacache.runtime.slot_mapping import compute_slot_mapping
+
+__all__ = [
+    "CachePool", "IndexerStepMetadata", "OutOfRowsError", "PrefillChunk", "PrefixCache", "PrefixStats",
+    "RowAllocator", "build_block_table", "build_indexer_metadata", "compute_slot_mapping",
+    "dcp_local_len", "dcp_local_position", "dcp_owner", "decode_context_lens", "hash_block",
+    "kernel_pages", "plan_prefill_chunks",
+]

@@ -1,0 +1,384 @@
+"""The row allocator: which request owns which rows of the pool.
+
+All rows are equal and come from one free list. A request owns
+``state_rows_per_request`` *state rows* (its KDA states) for its whole life, and one
+*attention row* per ``block_size`` tokens (per ``block_size * dcp_world_size`` tokens
+with decode context parallelism, since each rank stores only its share).
+
+Every row is in exactly one of three places: the free list, in use (reference count
+>= 1), or parked in the prefix cache (a full block nobody owns, reusable by content
+until its row is needed). Adding or extending a request either gets all the rows it
+needs or raises ``OutOfRowsError`` and changes nothing.
+
+Prefix reuse covers attention rows only. A request whose prompt starts with cached
+full blocks shares those rows (reference counted) and starts with fresh state rows:
+a KDA state is valid only at the position it was computed to and no snapshots are
+kept, so the engine must still run the prefix through the model to rebuild the
+states. A hit therefore saves memory (and the key writes), not prefill compute.
+At most ``(len(prompt) - 1) // tokens_per_row`` blocks are shared, so the last prompt
+token is always computed and a request never writes into a shared row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.runtime.block_table import build_block_table, kernel_pages
+from dsacache.runtime.dcp import dcp_local_len
+from dsacache.runtime.prefix import BlockHash, PrefixCache, hash_block
+
+RequestId = Hashable
+
+
+class OutOfRowsError(RuntimeError):
+    """Not enough free rows; the allocator is unchanged."""
+
+
+@dataclass
+class _Request:
+    state_rows: list[int]
+    rows: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
+    last_hash: BlockHash | None = None
+    # Token ids of the unfinished block; None once ids stop being known (no more hashing).
+    pending: list[int] | None = field(default_factory=list)
+
+
+@dataclass
+class PrefixStats:
+    """Prompt tokens looked up and found in the prefix cache, over the allocator's life."""
+
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class RowAllocator:
+    """Rows of one pool handed to requests; see the module docstring for the rules.
+
+    >>> alloc = RowAllocator(num_rows=8, block_size=128, state_rows_per_request=1)
+    >>> alloc.add("a", list(range(200)))      # 1 state row + 2 attention rows
+    0
+    >>> alloc.num_free_rows
+    5
+    >>> alloc.extend("a", 100)                # 300 tokens now need a third row
+    >>> alloc.free("a"); alloc.num_free_rows
+    8
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        block_size: int,
+        state_rows_per_request: int = 0,
+        *,
+        enable_prefix_reuse: bool = True,
+        max_num_pages_per_request: int | None = None,
+        dcp_world_size: int = 1,
+        dcp_interleave: int = 1,
+    ) -> None:
+        self._check_settings(num_rows, block_size, state_rows_per_request, dcp_world_size, dcp_interleave)
+        self.num_rows = num_rows
+        self.block_size = block_size
+        self.pages_per_row = block_size // KERNEL_PAGE_SIZE
+        self.state_rows_per_request = state_rows_per_request
+        self.tokens_per_row = block_size * dcp_world_size
+        self.dcp_world_size = dcp_world_size
+        self.dcp_interleave = dcp_interleave
+        self.max_num_pages_per_request = max_num_pages_per_request
+        self.prefix = PrefixCache() if enable_prefix_reuse else None
+        self.stats = PrefixStats()
+        # Popped from the end: rows are handed out in increasing order from a fresh pool.
+        self._free: list[int] = list(range(num_rows - 1, -1, -1))
+        self._refs = [0] * num_rows
+        self._requests: dict[RequestId, _Request] = {}
+
+    @staticmethod
+    def _check_settings(num_rows, block_size, state_rows, world, interleave) -> None:
+        if num_rows < 1:
+            raise ValueError(f"num_rows={num_rows} must be >= 1")
+        if block_size < KERNEL_PAGE_SIZE or block_size % KERNEL_PAGE_SIZE:
+            raise ValueError(f"block_size={block_size} must be a positive multiple of {KERNEL_PAGE_SIZE}")
+        if state_rows < 0:
+            raise ValueError(f"state_rows_per_request={state_rows} must be >= 0")
+        if world < 1 or interleave < 1:
+            raise ValueError(f"dcp_world_size={world} and dcp_interleave={interleave} must be >= 1")
+        if block_size % interleave:
+            # A row then covers the same global tokens on every rank, so it can be hashed.
+            raise ValueError(f"dcp_interleave={interleave} must divide block_size={block_size}")
+
+    @classmethod
+    def from_layout(cls, layout, *, num_rows: int | None = None, **kwargs) -> RowAllocator:
+        """An allocator for a planned ``CacheLayout`` (DCP world size from its config)."""
+        kwargs.setdefault("dcp_world_size", layout.config.decode_context_parallel_size)
+        return cls(
+            num_rows if num_rows is not None else layout.num_rows,
+            layout.block_size,
+            layout.state_rows_per_request,
+            **kwargs,
+        )
+
+    # Counters ------------------------------------------------------------------------
+
+    @property
+    def num_free_rows(self) -> int:
+        """Rows a new allocation can take: free ones plus parked ones (evicted on demand)."""
+        return len(self._free) + self._num_parked()
+
+    @property
+    def num_used_rows(self) -> int:
+        return self.num_rows - self.num_free_rows
+
+    @property
+    def num_cached_rows(self) -> int:
+        """Parked rows: full blocks no request owns that a prefix hit can still reuse."""
+        return self._num_parked()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def _num_parked(self) -> int:
+        return self.prefix.num_parked if self.prefix else 0
+
+    def rows_for_tokens(self, num_tokens: int) -> int:
+        """Attention rows that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.tokens_per_row)
+
+    # Lifecycle -----------------------------------------------------------------------
+
+    def can_add(self, token_ids: Sequence[int] | None = None, num_tokens: int | None = None) -> bool:
+        """Whether ``add`` would succeed now for a prompt of these tokens."""
+        num_tokens = self._prompt_len(token_ids, num_tokens)
+        hits = self._lookup_prefix(token_ids, num_tokens)
+        return self._new_rows_for_prompt(num_tokens, hits) <= self._rows_available(hits)
+
+    def add(
+        self,
+        request_id: RequestId,
+        token_ids: Sequence[int] | None = None,
+        num_tokens: int | None = None,
+    ) -> int:
+        """Allocate a new request's state rows and the attention rows of its prompt.
+
+        Give ``token_ids`` to take part in prefix reuse (or only ``num_tokens``, to opt
+        out). Returns how many leading prompt tokens are already in the cache.
+        Raises ``OutOfRowsError`` (nothing allocated) when the rows are not there.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already allocated")
+        num_tokens = self._prompt_len(token_ids, num_tokens)
+        hits = self._lookup_prefix(token_ids, num_tokens)
+        needed = self._new_rows_for_prompt(num_tokens, hits)
+        if needed > self._rows_available(hits):
+            raise OutOfRowsError(
+                f"request {request_id!r} needs {needed} new rows, {self._rows_available(hits)} are free"
+            )
+        # Hits leave the parked set before any new row is taken, so none of them is evicted.
+        request = _Request(state_rows=[])
+        self._share_hits(request, hits)
+        request.state_rows = self._take_rows(self.state_rows_per_request)
+        self._requests[request_id] = request
+        self._grow(request, num_tokens - request.num_tokens, self._tail(token_ids, request.num_tokens))
+        self.stats.prompt_tokens += num_tokens
+        self.stats.hit_tokens += request.num_cached_tokens
+        return request.num_cached_tokens
+
+    def can_extend(self, request_id: RequestId, num_new_tokens: int) -> bool:
+        """Whether ``extend`` by ``num_new_tokens`` would succeed now."""
+        request = self._get(request_id)
+        return self._rows_to_grow(request, num_new_tokens) <= self.num_free_rows
+
+    def extend(
+        self,
+        request_id: RequestId,
+        num_new_tokens: int | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> None:
+        """Append tokens to a request, taking a new row whenever a block fills.
+
+        Pass ``token_ids`` to keep hashing the blocks they complete (then
+        ``num_new_tokens`` defaults to their count); without them the request's later
+        blocks are not shared. Raises ``OutOfRowsError`` (nothing changes) when short.
+        """
+        request = self._get(request_id)
+        if num_new_tokens is None:
+            if token_ids is None:
+                raise ValueError("extend needs num_new_tokens or token_ids")
+            num_new_tokens = len(token_ids)
+        if token_ids is not None and len(token_ids) != num_new_tokens:
+            raise ValueError(f"{len(token_ids)} token_ids given for num_new_tokens={num_new_tokens}")
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
+        needed = self._rows_to_grow(request, num_new_tokens)
+        if needed > self.num_free_rows:
+            raise OutOfRowsError(
+                f"request {request_id!r} needs {needed} new rows, {self.num_free_rows} are free"
+            )
+        self._grow(request, num_new_tokens, token_ids)
+
+    def free(self, request_id: RequestId) -> None:
+        """Release a request: state rows go back to the free list, attention rows lose an owner.
+
+        The tail block is released first so that, among one request's parked blocks, the
+        deepest ones are evicted first and the shared prefix stays longest.
+        """
+        request = self._requests.pop(self._check_known(request_id))
+        for row in reversed(request.rows):
+            self._release(row)
+        for row in request.state_rows:
+            self._release(row)
+
+    # Queries -------------------------------------------------------------------------
+
+    def has_request(self, request_id: RequestId) -> bool:
+        return request_id in self._requests
+
+    def request_ids(self) -> list[RequestId]:
+        return list(self._requests)
+
+    def state_rows(self, request_id: RequestId) -> list[int]:
+        return list(self._get(request_id).state_rows)
+
+    def attention_rows(self, request_id: RequestId) -> list[int]:
+        return list(self._get(request_id).rows)
+
+    def num_tokens(self, request_id: RequestId) -> int:
+        return self._get(request_id).num_tokens
+
+    def num_pages(self, request_id: RequestId) -> int:
+        """Kernel pages the request's tokens use on the busiest DCP rank (rank 0)."""
+        local = dcp_local_len(self._get(request_id).num_tokens, self.dcp_world_size, 0, self.dcp_interleave)
+        return -(-local // KERNEL_PAGE_SIZE)
+
+    def kernel_pages(self, request_id: RequestId) -> list[int]:
+        """The request's kernel page ids in token order (its row of the block table)."""
+        request = self._get(request_id)
+        return kernel_pages(request.rows, self.pages_per_row, self.num_pages(request_id))
+
+    def block_table(
+        self,
+        request_ids: Iterable[RequestId],
+        width: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """int32 ``[B, width]`` kernel-page block table of these requests, ``-1``-padded."""
+        pages = [self.kernel_pages(rid) for rid in request_ids]
+        max_width = self.max_num_pages_per_request
+        if max_width is None:
+            max_width = self.num_rows * self.pages_per_row
+        return build_block_table(pages, width, max_width=max_width, device=device)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if a row is lost, doubly owned or miscounted (for tests)."""
+        owners = [0] * self.num_rows
+        for request in self._requests.values():
+            for row in request.rows + request.state_rows:
+                owners[row] += 1
+        parked = self.prefix.parked_rows() if self.prefix else []
+        places = sorted(self._free + parked + [r for r in range(self.num_rows) if owners[r]])
+        if places != list(range(self.num_rows)):
+            raise AssertionError("a row is lost or in two places")
+        if owners != self._refs:
+            raise AssertionError("reference counts disagree with the requests' rows")
+        for request in self._requests.values():
+            if any(owners[row] != 1 for row in request.state_rows):
+                raise AssertionError("a state row is shared")
+            if len(request.rows) != self.rows_for_tokens(request.num_tokens):
+                raise AssertionError("a request holds the wrong number of attention rows")
+
+    # Internals -----------------------------------------------------------------------
+
+    def _check_known(self, request_id: RequestId) -> RequestId:
+        if request_id not in self._requests:
+            raise ValueError(f"unknown request id {request_id!r}")
+        return request_id
+
+    def _get(self, request_id: RequestId) -> _Request:
+        return self._requests[self._check_known(request_id)]
+
+    @staticmethod
+    def _prompt_len(token_ids: Sequence[int] | None, num_tokens: int | None) -> int:
+        if token_ids is None and num_tokens is None:
+            raise ValueError("give token_ids or num_tokens")
+        if token_ids is not None and num_tokens is not None and num_tokens != len(token_ids):
+            raise ValueError(f"num_tokens={num_tokens} but {len(token_ids)} token_ids")
+        n = len(token_ids) if token_ids is not None else num_tokens
+        if n < 0:
+            raise ValueError(f"num_tokens={n} must be >= 0")
+        return n
+
+    @staticmethod
+    def _tail(token_ids: Sequence[int] | None, start: int) -> Sequence[int] | None:
+        return None if token_ids is None else token_ids[start:]
+
+    def _lookup_prefix(self, token_ids: Sequence[int] | None, num_tokens: int) -> list[int]:
+        """Rows of the cached leading full blocks of this prompt (never its last token)."""
+        if self.prefix is None or token_ids is None or num_tokens == 0:
+            return []
+        hits, parent, size = [], None, self.tokens_per_row
+        for i in range((num_tokens - 1) // size):
+            parent = hash_block(parent, token_ids[i * size : (i + 1) * size])
+            row = self.prefix.lookup(parent)
+            if row is None:
+                break
+            hits.append(row)
+        return hits
+
+    def _new_rows_for_prompt(self, num_tokens: int, hits: list[int]) -> int:
+        return self.state_rows_per_request + self.rows_for_tokens(num_tokens) - len(hits)
+
+    def _rows_available(self, hits: list[int]) -> int:
+        """Free rows once the hit rows, if parked, are taken out of the evictable set."""
+        return self.num_free_rows - sum(1 for row in hits if self.prefix.is_parked(row))
+
+    def _rows_to_grow(self, request: _Request, num_new_tokens: int) -> int:
+        return self.rows_for_tokens(request.num_tokens + num_new_tokens) - len(request.rows)
+
+    def _share_hits(self, request: _Request, hits: list[int]) -> None:
+        for row in hits:
+            if self._refs[row] == 0:
+                self.prefix.unpark(row)
+            self._refs[row] += 1
+            request.rows.append(row)
+        request.num_tokens = request.num_cached_tokens = len(hits) * self.tokens_per_row
+        if hits:
+            request.last_hash = self.prefix.hash_of(hits[-1])
+
+    def _take_rows(self, n: int) -> list[int]:
+        rows = [self._free.pop() if self._free else self.prefix.evict() for _ in range(n)]
+        for row in rows:
+            self._refs[row] = 1
+        return rows
+
+    def _release(self, row: int) -> None:
+        self._refs[row] -= 1
+        if self._refs[row]:
+            return
+        if self.prefix is not None and self.prefix.is_named(row):
+            self.prefix.park(row)
+        else:
+            self._free.append(row)
+
+    def _grow(self, request: _Request, num_new_tokens: int, token_ids: Sequence[int] | None) -> None:
+        """Take the rows, then record the tokens (hashing every block they complete)."""
+        request.rows += self._take_rows(self._rows_to_grow(request, num_new_tokens))
+        request.num_tokens += num_new_tokens
+        if token_ids is None or request.pending is None or self.prefix is None:
+            request.pending = None
+            return
+        request.pending.extend(token_ids)
+        size = self.tokens_per_row
+        while len(request.pending) >= size:
+            block, request.pending = request.pending[:size], request.pending[size:]
+            request.last_hash = hash_block(request.last_hash, block)
+            index = request.num_tokens - len(request.pending) - size
+            self.prefix.insert(request.last_hash, request.rows[index // size])

@@ -1,0 +1,113 @@
+"""The pool: one allocation of ``num_rows x row_bytes`` bytes, and typed views into it.
+
+Byte layout (drawn in ``docs/layout.md``): row ``r`` starts at ``r * row_bytes`` and is
+``pages_per_row`` sub-rows of 64 tokens, sub-row ``j`` being kernel page
+``r * pages_per_row + j``. Inside a sub-row every DSA layer's MLA page and indexer page sit
+side by side, then the draft layers' MLA pages. So each layer's pages form one standard
+paged view ``[num_kernel_pages, 64, entry]`` with ``stride(0) = page_stride_bytes``, the
+shape DeepGEMM- and FlashMLA-style paged kernels take. A state row instead holds
+``states_per_row`` KDA states back to back from its first byte (conv state, then the
+recurrent state).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.runtime.allocator import RequestId, RowAllocator
+
+
+class CachePool:
+    """The packed (or paged) cache of one TP rank, plus the allocator handing out its rows.
+
+    >>> from dsacache.planner import CacheConfig, plan
+    >>> pool = CachePool(plan(CacheConfig.from_model("kimi-k3.1"), num_rows=4))
+    >>> pool.index_pages(4).shape, pool.index_pages(4).stride()
+    (torch.Size([76, 64, 132]), (1013760, 132, 1))
+    """
+
+    def __init__(self, layout, device: torch.device | str = "cpu", allocator: RowAllocator | None = None) -> None:
+        if layout.num_rows < 1:
+            raise ValueError(f"layout.num_rows={layout.num_rows}: the pool needs at least one row")
+        self.layout = layout
+        self.buffer = torch.empty(layout.num_rows * layout.row_bytes, dtype=torch.uint8, device=device)
+        self.allocator = allocator if allocator is not None else RowAllocator.from_layout(layout)
+        if self.allocator.num_rows > layout.num_rows or self.allocator.block_size != layout.block_size:
+            raise ValueError("the allocator's rows or block size do not match the layout")
+        self._dsa = {slot.layer: slot for slot in layout.dsa_layers}
+        self._kda = {slot.layer: slot for slot in layout.kda_layers}
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    @property
+    def num_kernel_pages(self) -> int:
+        return self.layout.num_kernel_pages
+
+    # Paged views ---------------------------------------------------------------------
+
+    def mla_pages(self, layer: int) -> torch.Tensor:
+        """uint8 ``[num_kernel_pages, 64, mla_entry_bytes]`` MLA latent pages of DSA layer ``layer``."""
+        slot = self._dsa_slot(layer)
+        return self._paged_view(slot.mla_offset, slot.mla_entry_bytes)
+
+    def index_pages(self, layer: int) -> torch.Tensor:
+        """uint8 ``[num_kernel_pages, 64, index_entry_bytes]`` indexer key pages of DSA layer ``layer``."""
+        slot = self._dsa_slot(layer)
+        if not slot.index_entry_bytes:
+            raise ValueError(f"layer {layer} has no indexer (the model has no dsa_config)")
+        return self._paged_view(slot.index_offset, slot.index_entry_bytes)
+
+    def draft_pages(self, index: int) -> torch.Tensor:
+        """uint8 ``[num_kernel_pages, 64, entry]`` MLA pages of draft layer ``index`` (0-based)."""
+        drafts = self.layout.draft_layers
+        if not 0 <= index < len(drafts):
+            raise ValueError(f"draft layer {index} does not exist; the layout has {len(drafts)} draft layers")
+        return self._paged_view(drafts[index].mla_offset, drafts[index].mla_entry_bytes)
+
+    def _dsa_slot(self, layer: int):
+        if layer not in self._dsa:
+            raise ValueError(f"layer {layer} is not a DSA layer; DSA layers: {sorted(self._dsa)}")
+        return self._dsa[layer]
+
+    def _paged_view(self, offset: int, entry: int) -> torch.Tensor:
+        shape = (self.layout.num_kernel_pages, KERNEL_PAGE_SIZE, entry)
+        stride = (self.layout.page_stride_bytes, entry, 1)
+        return self.buffer.as_strided(shape, stride, self.buffer.storage_offset() + offset)
+
+    # Rows and states -----------------------------------------------------------------
+
+    def row(self, row: int) -> torch.Tensor:
+        """uint8 ``[row_bytes]``: the raw bytes of one row."""
+        if not 0 <= row < self.layout.num_rows:
+            raise ValueError(f"row {row} is outside the pool of {self.layout.num_rows} rows")
+        size = self.layout.row_bytes
+        return self.buffer[row * size : (row + 1) * size]
+
+    def state_tensors(self, request_id: RequestId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv bf16 ``conv_shape``, recurrent fp32 ``recurrent_shape``) of KDA layer ``layer``
+        for this request: views into the request's state rows, written in place by the model."""
+        return self.state_tensors_at(self.allocator.state_rows(request_id), layer)
+
+    def state_tensors_at(self, state_rows: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like :meth:`state_tensors`, for an explicit list of a request's state rows."""
+        if layer not in self._kda:
+            raise ValueError(f"layer {layer} is not a KDA layer; KDA layers: {sorted(self._kda)}")
+        slot, state = self._kda[layer], self.layout.state
+        if len(state_rows) != self.layout.state_rows_per_request:
+            raise ValueError(
+                f"{len(state_rows)} state rows given; a request owns {self.layout.state_rows_per_request}"
+            )
+        start = self.row(state_rows[slot.state_row]).storage_offset() - self.buffer.storage_offset()
+        start += slot.offset
+        conv = self._typed(start, state.conv_bytes, torch.bfloat16, state.conv_shape)
+        recurrent = self._typed(start + state.conv_bytes, state.recurrent_bytes, torch.float32, state.recurrent_shape)
+        return conv, recurrent
+
+    def _typed(self, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if (self.buffer.data_ptr() + offset) % itemsize:
+            raise ValueError(f"byte offset {offset} is not {itemsize}-byte aligned for a {dtype} state view")
+        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)

@@ -1,0 +1,131 @@
+"""Indexer step metadata: decode context lengths, prefill chunks, the step builder."""
+
+import random
+
+import pytest
+import torch
+
+from dsacache.runtime import (
+    RowAllocator,
+    build_indexer_metadata,
+    compute_slot_mapping,
+    decode_context_lens,
+    plan_prefill_chunks,
+)
+from tests.helpers import triton_available
+
+IMPLS = ["torch"] + (["triton"] if triton_available() else [])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("next_n", [1, 2, 4])
+def test_decode_context_lens(impl, next_n):
+    seq_lens = torch.randint(next_n, 5000, (37,), dtype=torch.int32)
+    out = torch.full((37, next_n), -99, dtype=torch.int32)
+    decode_context_lens(seq_lens, next_n, out, impl=impl)
+    for b in range(37):
+        assert out[b].tolist() == [int(seq_lens[b]) - next_n + i + 1 for i in range(next_n)]
+
+
+def test_decode_context_lens_rejects_a_bad_buffer():
+    with pytest.raises(ValueError, match="out must be"):
+        decode_context_lens(torch.ones(3, dtype=torch.int32), 2, torch.empty(3, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="next_n"):
+        decode_context_lens(torch.ones(3, dtype=torch.int32), 0)
+
+
+def check_chunks(chunks, query_lens, seq_lens, workspace, budget, first_token=0, first_req=0):
+    """Every query token in exactly one chunk, in order, with the right key window, under both budgets."""
+    starts = [first_token]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    covered = []
+    for chunk in chunks:
+        assert chunk.num_keys <= workspace and chunk.logits_bytes <= budget
+        assert chunk.ks.numel() == chunk.ke.numel() == chunk.num_queries
+        cu = chunk.cu_seqlens_k.tolist()
+        row = 0
+        for t in range(chunk.query_start, chunk.query_end):
+            b = max(i for i in range(len(query_lens)) if starts[i] <= t and query_lens[i])
+            local = b - (chunk.req_start - first_req)
+            position = seq_lens[b] - query_lens[b] + (t - starts[b])
+            assert int(chunk.ks[row]) == cu[local]
+            assert int(chunk.ke[row]) - int(chunk.ks[row]) == position + 1  # keys [0, position]
+            assert int(chunk.seq_lens_k[local]) >= position + 1
+            covered.append(t)
+            row += 1
+    assert covered == list(range(first_token, starts[-1]))
+
+
+def test_prefill_chunks_fit_both_budgets_on_random_batches():
+    rng = random.Random()
+    for _ in range(30):
+        n = rng.randint(1, 6)
+        query_lens = [rng.randint(1, 400) for _ in range(n)]
+        seq_lens = [q + rng.choice([0, rng.randint(0, 600)]) for q in query_lens]
+        workspace = max(seq_lens) + rng.randint(0, 800)
+        budget = 4 * workspace * rng.randint(1, 50)
+        chunks = plan_prefill_chunks(query_lens, seq_lens, workspace_tokens=workspace, logits_bytes=budget)
+        check_chunks(chunks, query_lens, seq_lens, workspace, budget)
+
+
+def test_a_long_prefill_is_split_by_the_logits_budget():
+    # 1000 query tokens on 1000 keys: 4 MB of logits in one piece; a 1 MB budget splits it.
+    chunks = plan_prefill_chunks([1000], [1000], workspace_tokens=1000, logits_bytes=1 << 20)
+    assert len(chunks) > 1
+    check_chunks(chunks, [1000], [1000], 1000, 1 << 20)
+
+
+def test_small_requests_share_a_chunk():
+    chunks = plan_prefill_chunks([10, 20, 30], [10, 25, 100], workspace_tokens=4096, logits_bytes=1 << 30)
+    assert len(chunks) == 1 and chunks[0].seq_lens_k.tolist() == [10, 25, 100]
+    assert chunks[0].cu_seqlens_k.tolist() == [0, 10, 35, 135]
+
+
+def test_a_context_longer_than_the_workspace_is_refused():
+    with pytest.raises(ValueError, match="workspace_tokens=100"):
+        plan_prefill_chunks([1], [101], workspace_tokens=100, logits_bytes=1 << 20)
+
+
+def test_prefill_context_parallelism_is_refused():
+    with pytest.raises(NotImplementedError, match="prefill context parallelism"):
+        plan_prefill_chunks([1], [1], workspace_tokens=8, logits_bytes=64, pcp_world_size=2)
+    with pytest.raises(NotImplementedError, match="PCP"):
+        build_indexer_metadata(torch.zeros(1, 1, dtype=torch.int32), [1], [1], torch.empty(4, dtype=torch.int64),
+                               workspace_tokens=8, logits_bytes=64, pcp_world_size=2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_step_metadata_from_the_allocator(impl):
+    """Two speculative decodes (next_n=2), an empty slot, and two prefills (one after a prefix hit)."""
+    alloc = RowAllocator(num_rows=64, block_size=128, state_rows_per_request=1)
+    prompt = list(range(700))
+    alloc.add("d0", num_tokens=1030)
+    alloc.add("d1", num_tokens=62)
+    alloc.add("p0", prompt)
+    hit = alloc.add("p1", prompt[:300] + [-1] * 40)
+    assert hit == 256
+    order = ["d0", "d1", "p0", "p1"]
+    seq_lens = [alloc.num_tokens(r) for r in order]
+    query_lens = [2, 2, 700, 340 - hit]
+    block_table = alloc.block_table(order, width=20)
+    buffer = torch.full((2048,), 5, dtype=torch.int64)
+    meta = build_indexer_metadata(block_table, query_lens, seq_lens, buffer, next_n=2, workspace_tokens=1024,
+                                  logits_bytes=1 << 20, num_kernel_pages=64 * 2, impl=impl)
+    assert meta.num_decodes == 2 and meta.num_decode_tokens == 4
+    assert meta.decode_context_lens.tolist() == [[1029, 1030], [61, 62]]
+    assert meta.decode_block_table.shape == (2, 20)
+    reference = compute_slot_mapping(block_table, meta.query_start_loc, meta.positions, impl="torch",
+                                     out=torch.empty(2048, dtype=torch.int64))
+    assert torch.equal(meta.slot_mapping, reference) and meta.slot_mapping is buffer
+    assert meta.positions[:4].tolist() == [1028, 1029, 60, 61]
+    assert meta.positions[4 + 700].item() == hit  # p1's first query token follows its cached prefix
+    check_chunks(meta.prefill_chunks, query_lens[2:], seq_lens[2:], 1024, 1 << 20, first_token=4, first_req=2)
+    assert meta.prefill_chunks[0].req_start == 2
+
+
+def test_decodes_must_come_first():
+    with pytest.raises(ValueError, match="decodes come first"):
+        build_indexer_metadata(torch.zeros(2, 4, dtype=torch.int32), [5, 1], [5, 9],
+                               torch.empty(8, dtype=torch.int64), num_decodes=1, workspace_tokens=64,
+                               logits_bytes=1 << 10)
