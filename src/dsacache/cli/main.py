@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -35,7 +36,13 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).upper() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 48GiB, 50GB, 5e10)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    try:
+        value = float(match.group(1)) * _UNITS[match.group(2).upper()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 48GiB, 50GB, 5e10)") from None
+    if not math.isfinite(value) or value >= 2**63:
+        raise argparse.ArgumentTypeError(f"byte size {text!r} is too large")
+    return int(value)
 
 
 def parse_tp_list(text: str) -> list[int]:
@@ -82,10 +89,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configs_from_args(args: argparse.Namespace) -> list[CacheConfig]:
     """One validated :class:`CacheConfig` per requested TP size."""
-    model = load_model(args.config if args.config else (args.model or DEFAULT_MODEL))
+    if args.config:
+        model = load_model(args.config)
+    elif (args.model or DEFAULT_MODEL) in BUILTIN_MODELS:
+        model = load_model(args.model or DEFAULT_MODEL)
+    else:
+        raise ConfigError(f"--model {args.model!r} is not a built-in model; allowed: {', '.join(BUILTIN_MODELS)} "
+                          "(use --config PATH for a config.json)")
     if not 0 < args.cache_fraction <= 1:
         raise ConfigError(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
-    budget = args.kv_cache_memory_bytes or int(args.gpu_memory * args.cache_fraction)
+    if args.kv_cache_memory_bytes is not None:
+        budget = args.kv_cache_memory_bytes
+        if budget < 1:
+            raise ConfigError(f"--kv-cache-memory-bytes must be at least 1 byte, got {budget}")
+    else:
+        budget = int(args.gpu_memory * args.cache_fraction)
     options = dict(
         kv_cache_dtype=args.kv_cache_dtype,
         indexer_kv_dtype=parse_attention_config(args.attention_config) if args.attention_config else "auto",

@@ -62,10 +62,12 @@ class ModelSpec:
 
     @property
     def num_dsa_layers(self) -> int:
+        """Full-attention layers carrying an indexer (D); 0 without a ``dsa_config``."""
         return len(self.attention_layers) if self.indexer else 0
 
     @property
     def num_kda_layers(self) -> int:
+        """KDA layers (S)."""
         return len(self.kda.layers) if self.kda else 0
 
     @property

@@ -25,6 +25,7 @@ from dsacache.formats.sizes import (
     KERNEL_PAGE_SIZE,
     KV_CACHE_DTYPES,
     MXFP4_GROUP_SIZE,
+    mla_entry_bytes,
     resolve_indexer_kv_dtype,
 )
 
@@ -180,6 +181,14 @@ class CacheConfig:
         if self.alignment % KERNEL_PAGE_SIZE:
             raise ConfigError(f"alignment={self.alignment} must be a multiple of the {KERNEL_PAGE_SIZE}-token kernel page")
         self._check_indexer_dtype()
+        self._check_mla_dtypes()
+
+    def _check_mla_dtypes(self) -> None:
+        """``fp8_ds_mla`` tiles the latent by 128: refuse ranks it cannot tile, for target and draft."""
+        mla_entry_bytes(self.model.kv_lora_rank, self.model.qk_rope_head_dim, self.kv_cache_dtype)
+        if self.speculative is not None and self.speculative.draft is not None:
+            draft = self.speculative.draft
+            mla_entry_bytes(draft.kv_lora_rank, draft.qk_rope_head_dim, self.draft_kv_cache_dtype)
 
     def _check_choices(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -240,6 +249,7 @@ class CacheConfig:
 
     @property
     def num_speculative_tokens(self) -> int:
+        """Draft tokens per step (0 without speculative decoding); they grow the conv state."""
         return self.speculative.num_speculative_tokens if self.speculative else 0
 
     @property

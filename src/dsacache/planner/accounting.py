@@ -21,18 +21,22 @@ class StateShape:
 
     @property
     def conv_bytes(self) -> int:
+        """Bytes of the bf16 conv state."""
         return math.prod(self.conv_shape) * CONV_STATE_ITEMSIZE
 
     @property
     def recurrent_bytes(self) -> int:
+        """Bytes of the fp32 recurrent state."""
         return math.prod(self.recurrent_shape) * RECURRENT_STATE_ITEMSIZE
 
     @property
     def recurrent_offset(self) -> int:
+        """Byte offset of the recurrent state inside one state."""
         return self.conv_bytes
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one state (``state_bytes``)."""
         return self.conv_bytes + self.recurrent_bytes
 
 
@@ -59,6 +63,7 @@ def draft_entry_bytes(config: CacheConfig) -> int:
 
 
 def num_draft_layers(config: CacheConfig) -> int:
+    """Dense MLA draft layers that keep pages in the row (0 if none)."""
     return config.speculative.draft.num_hidden_layers if draft_entry_bytes(config) else 0
 
 
@@ -85,6 +90,7 @@ def kda_state_shape(config: CacheConfig, tp: int | None = None) -> StateShape | 
 
 
 def state_bytes(config: CacheConfig, tp: int | None = None) -> int:
+    """One KDA layer's state bytes per TP rank at ``tp`` (0 without KDA)."""
     shape = kda_state_shape(config, tp)
     return shape.nbytes if shape else 0
 

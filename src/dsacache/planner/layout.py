@@ -71,10 +71,12 @@ class CacheLayout:
 
     @property
     def is_packed(self) -> bool:
+        """KDA-hybrid DSA model: rows hold either attention blocks or KDA states."""
         return self.kind == "packed"
 
     @property
     def pages_per_row(self) -> int:
+        """64-token kernel pages (sub-rows) in one row."""
         return self.block_size // self.kernel_page_size
 
     @property
@@ -84,14 +86,17 @@ class CacheLayout:
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of one row, attention or state: ``block_size x row_bytes_per_token``."""
         return self.block_size * self.row_bytes_per_token
 
     @property
     def num_kernel_pages(self) -> int:
+        """Kernel pages in the pool: the first dim of every per-layer view."""
         return self.num_rows * self.pages_per_row
 
     @property
     def pool_bytes(self) -> int:
+        """Bytes of the whole pool (one allocation per GPU)."""
         return self.num_rows * self.row_bytes
 
     @property
@@ -101,32 +106,39 @@ class CacheLayout:
 
     @property
     def state_bytes(self) -> int:
+        """One KDA layer's state on one TP rank (conv + recurrent), 0 without KDA."""
         return self.state.nbytes if self.state else 0
 
     @property
     def num_kda_layers(self) -> int:
+        """KDA layers of the model (S)."""
         return self.config.model.num_kda_layers
 
     @property
     def state_rows_per_request(self) -> int:
+        """State rows one request owns: ``ceil(S / states_per_row)`` (0 when not packed)."""
         if not self.states_per_row:
             return 0
         return math.ceil(self.num_kda_layers / self.states_per_row)
 
     @property
     def indexer_head_dim(self) -> int | None:
+        """Indexer key width, None without an indexer."""
         indexer = self.config.model.indexer
         return indexer.head_dim if indexer else None
 
     @property
     def indexer_kv_dtype(self) -> str:
+        """Resolved indexer key format, ``"fp8"`` or ``"mxfp4"``."""
         return self.config.resolved_indexer_kv_dtype
 
     @property
     def mla_kv_cache_dtype(self) -> str:
+        """MLA latent cache dtype of the target model."""
         return self.config.kv_cache_dtype
 
     def attention_rows_for(self, num_tokens: int) -> int:
+        """Attention rows that ``num_tokens`` tokens occupy."""
         return math.ceil(num_tokens / self.block_size)
 
     def rows_per_request(self, num_tokens: int) -> int:
