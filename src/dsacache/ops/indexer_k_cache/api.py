@@ -1,0 +1,288 @@
+"""Public functions of the indexer key cache write path: validate, then dispatch.
+
+Triton runs when the tensors are on CUDA (or when ``impl="triton"`` is forced, which
+under ``TRITON_INTERPRET=1`` also runs on CPU); the PyTorch reference in ``naive.py``
+runs otherwise (``impl="torch"`` forces it). The page byte layout is drawn in
+``docs/layout.md`` ("indexer page"); the codecs and their NaN/inf rules are in
+:mod:`dsacache.formats.indexer_key`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsacache.formats.indexer_key import check_indexer_pages
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE, MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
+from dsacache.ops.indexer_k_cache import naive
+
+IMPLS = ("auto", "triton", "torch")
+KEY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+MXFP4_RULE = (
+    "indexer_kv_dtype='mxfp4' is written only by the fused LayerNorm insert "
+    "(fused_norm_store_indexer_keys; packing.md, 'Indexer key format choice')"
+)
+
+
+def _use_triton(impl: str, *tensors: torch.Tensor) -> bool:
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}; allowed: {', '.join(IMPLS)}")
+    if impl == "torch":
+        return False
+    if impl == "auto" and not all(t.is_cuda for t in tensors):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if impl == "triton":
+            raise
+        return False
+    return True
+
+
+def _check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def _check_keys(k: torch.Tensor) -> int:
+    if not isinstance(k, torch.Tensor) or k.dim() != 2:
+        raise ValueError(f"k must be a 2-D tensor [num_tokens, head_dim], got {getattr(k, 'shape', type(k))}")
+    if k.dtype not in KEY_DTYPES:
+        raise ValueError(f"k.dtype={k.dtype}; allowed: bfloat16, float16, float32")
+    if k.shape[1] == 0:
+        raise ValueError("head_dim (k.shape[1]) must be positive")
+    return k.shape[1]
+
+
+def _check_pages(pages: torch.Tensor, head_dim: int, fmt: str) -> None:
+    check_indexer_pages(pages, head_dim, fmt)
+    if fmt == "fp8" and (pages.data_ptr() % 4 or pages.stride(0) % 4):
+        raise ValueError("FP8 indexer pages must be 4-byte aligned (address and page stride): scales are fp32")
+
+
+def _check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_pages: int, check_slots: bool) -> None:
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in INDEX_DTYPES:
+        raise ValueError(
+            f"slot_mapping must be 1-D int32 or int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    if slot_mapping.stride(0) != 1 and num_tokens > 1:
+        raise ValueError("slot_mapping must be contiguous")
+    if not check_slots or num_tokens == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(slot_mapping))
+    num_slots = num_pages * KERNEL_PAGE_SIZE
+    if low < -1 or high >= num_slots:
+        raise ValueError(
+            f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) for {num_pages} pages; "
+            f"got min {low}, max {high}"
+        )
+
+
+def _check_norm_params(weight: torch.Tensor, bias: torch.Tensor, head_dim: int, eps: float) -> None:
+    for name, t in (("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor) or t.shape != (head_dim,) or t.dtype not in KEY_DTYPES:
+            raise ValueError(f"{name} must be a [{head_dim}] float tensor, got {getattr(t, 'shape', type(t))}")
+    if not eps >= 0 or eps == float("inf"):
+        raise ValueError(f"eps={eps} must be finite and >= 0")
+
+
+def store_indexer_keys(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tensor,
+                       indexer_kv_dtype: str = "fp8", *, impl: str = "auto", check_slots: bool = True) -> None:
+    """Quantize indexer keys to FP8 and write them into one layer's indexer pages.
+
+    Args:
+        k: ``[num_tokens, head_dim]`` bf16, fp16 or fp32 keys (any strides).
+        pages: the layer's paged view ``[num_pages, 64, head_dim + 4]`` uint8 with
+            strides ``(page_stride, head_dim + 4, 1)``; ``page_stride`` may span a whole
+            packed row (every layer's pages side by side).
+        slot_mapping: ``[num_tokens]`` int32/int64, ``slot = page * 64 + row``; ``-1`` skips
+            the token (no byte written).
+        indexer_kv_dtype: ``"auto"`` or ``"fp8"``. ``"mxfp4"`` is refused: MXFP4 keys are
+            written only by :func:`fused_norm_store_indexer_keys`.
+        impl: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
+        check_slots: check on the host (one device sync) that every slot is ``-1`` or
+            inside the pool, raising ``ValueError`` before anything is written. Pass
+            ``False`` under CUDA-graph capture: out-of-range slots are then skipped
+            silently (never written out of bounds).
+
+    Each token's scale is the power of two ``2**ceil(log2(max(amax, 1e-4) / 448))`` over
+    its finite elements; values are ``e4m3(k / scale)``, saturating; NaN stores the e4m3
+    NaN code. Byte layout: ``docs/layout.md`` (values of all 64 rows, then 64 fp32 scales).
+    Repeated slots: the PyTorch path keeps the last token; the Triton path gives no order
+    between writers, so a repeated slot's entry is defined only when its tokens carry
+    the same key. Bytes of other slots are never touched.
+
+    Example::
+
+        >>> pool = torch.zeros(4, 64, 132, dtype=torch.uint8)
+        >>> store_indexer_keys(torch.randn(3, 128), pool, torch.tensor([0, 65, -1]))
+    """
+    head_dim = _check_keys(k)
+    fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
+    if fmt == "mxfp4":
+        raise ValueError(f"store_indexer_keys: {MXFP4_RULE}")
+    _check_pages(pages, head_dim, fmt)
+    _check_same_device(k=k, pages=pages, slot_mapping=slot_mapping)
+    _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
+    if _use_triton(impl, k, pages, slot_mapping):
+        from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+
+        launch_store(k, pages, slot_mapping, fmt)
+    else:
+        naive.store_indexer_keys(k, pages, slot_mapping, fmt)
+
+
+def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                                  pages: torch.Tensor, slot_mapping: torch.Tensor,
+                                  indexer_kv_dtype: str = "fp8", *, eps: float = 1e-6,
+                                  impl: str = "auto", check_slots: bool = True) -> None:
+    """LayerNorm the keys, quantize them to FP8 or MXFP4 and store them: one launch.
+
+    The K3.1 indexer insert (LayerNorm key norm, no indexer RoPE), and the only writer of
+    MXFP4 keys. The normalized key is ``(k - mean) * rstd * weight + bias`` in fp32
+    (biased variance, ``rstd = 1 / sqrt(var + eps)``); it is quantized as in
+    :func:`store_indexer_keys` (FP8) or per 32-value group (MXFP4: scale
+    ``2**ceil(log2(amax / 6))`` as a UE8M0 byte, e2m1 codes rounded half to even).
+
+    Args:
+        k: ``[num_tokens, head_dim]`` bf16, fp16 or fp32 keys (any strides).
+        weight, bias: ``[head_dim]`` LayerNorm parameters (bf16, fp16 or fp32).
+        pages: the layer's paged view ``[num_pages, 64, entry]`` uint8, ``entry`` =
+            ``head_dim + 4`` (FP8) or ``head_dim / 2 + head_dim / 32`` (MXFP4, ``head_dim``
+            a multiple of 32); strides ``(page_stride, entry, 1)``.
+        slot_mapping: ``[num_tokens]`` int32/int64, ``-1`` skips the token.
+        indexer_kv_dtype: ``"auto"``, ``"fp8"`` or ``"mxfp4"``.
+        eps, impl, check_slots: as in :func:`store_indexer_keys` (``eps`` >= 0).
+
+    A NaN anywhere in a key's input makes its whole normalized key NaN (LayerNorm mixes
+    every element): FP8 stores NaN codes, MXFP4 stores +0 codes with scale byte 0.
+    Repeated slots follow the rule of :func:`store_indexer_keys`.
+
+    Example::
+
+        >>> pool = torch.zeros(4, 64, 68, dtype=torch.uint8)
+        >>> w, b = torch.ones(128), torch.zeros(128)
+        >>> fused_norm_store_indexer_keys(torch.randn(3, 128), w, b, pool, torch.tensor([0, 1, 2]), "mxfp4")
+    """
+    head_dim = _check_keys(k)
+    fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
+    _check_norm_params(weight, bias, head_dim, eps)
+    _check_pages(pages, head_dim, fmt)
+    _check_same_device(k=k, weight=weight, bias=bias, pages=pages, slot_mapping=slot_mapping)
+    _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
+    if _use_triton(impl, k, pages, slot_mapping):
+        from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+
+        launch_store(k, pages, slot_mapping, fmt, weight.contiguous(), bias.contiguous(), eps)
+    else:
+        naive.fused_norm_store_indexer_keys(k, weight, bias, pages, slot_mapping, fmt, eps)
+
+
+def _entry_shapes(fmt: str, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-token (value bytes, scale bytes) of a gathered entry."""
+    if fmt == "fp8":
+        return (head_dim,), (4,)
+    return (head_dim // 2,), (head_dim // MXFP4_GROUP_SIZE,)
+
+
+def _check_gather_metadata(block_table: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must be int32 [num_reqs, max_pages >= 1], got "
+                         f"{tuple(block_table.shape)} {block_table.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape[0] != block_table.shape[0] + 1:
+        raise ValueError(f"cu_seqlens must be int32 [num_reqs + 1] = [{block_table.shape[0] + 1}], got "
+                         f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+
+
+def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor,
+                        indexer_kv_dtype: str, head_dim: int, *, num_tokens: int | None = None,
+                        impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather requests' cached keys out of the pages into contiguous rows (the prefill path).
+
+    Request ``r`` owns output rows ``[cu_seqlens[r], cu_seqlens[r + 1])``; its row ``i`` is
+    position ``i`` of the request, read from kernel page ``block_table[r, i // 64]``, row
+    ``i % 64``. A position whose block table entry is past the table or not a page of the
+    pool (e.g. ``-1``) gathers as zero bytes.
+
+    Args:
+        pages: the layer's paged view ``[num_pages, 64, entry]`` uint8.
+        block_table: ``[num_reqs, max_pages]`` int32 kernel page ids.
+        cu_seqlens: ``[num_reqs + 1]`` int32, ``0`` first, non-decreasing.
+        indexer_kv_dtype: ``"auto"``, ``"fp8"`` or ``"mxfp4"``; head_dim: the key width.
+        num_tokens: ``cu_seqlens[-1]`` if known; ``None`` reads it (one device sync).
+        impl: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        FP8: ``(values [T, head_dim] float8_e4m3fn, scales [T] float32)``.
+        MXFP4: ``(packed [T, head_dim / 2] uint8, scales [T, head_dim / 32] uint8)``.
+
+    Example::
+
+        >>> pool = torch.zeros(4, 64, 132, dtype=torch.uint8)
+        >>> values, scales = gather_indexer_keys(pool, torch.tensor([[2, 0]], dtype=torch.int32),
+        ...                                      torch.tensor([0, 70], dtype=torch.int32), "fp8", 128)
+    """
+    fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
+    _check_pages(pages, head_dim, fmt)
+    _check_gather_metadata(block_table, cu_seqlens)
+    _check_same_device(pages=pages, block_table=block_table, cu_seqlens=cu_seqlens)
+    if num_tokens is None:
+        num_tokens = int(cu_seqlens[-1])
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+    if not _use_triton(impl, pages, block_table, cu_seqlens):
+        return naive.gather_indexer_keys(pages, block_table, cu_seqlens, fmt, head_dim, num_tokens)
+    from dsacache.ops.indexer_k_cache.triton_kernels import launch_gather
+
+    value_shape, scale_shape = _entry_shapes(fmt, head_dim)
+    values = torch.empty((num_tokens, *value_shape), dtype=torch.uint8, device=pages.device)
+    scales = torch.empty((num_tokens, *scale_shape), dtype=torch.uint8, device=pages.device)
+    launch_gather(pages, block_table, cu_seqlens, values, scales)
+    if fmt == "fp8":
+        return values.view(torch.float8_e4m3fn), scales.view(torch.float32).squeeze(-1)
+    return values, scales
+
+
+def _check_quantized(values: torch.Tensor, scales: torch.Tensor, fmt: str) -> int:
+    """Validate gathered (values, scales) and return head_dim."""
+    if values.dim() != 2 or values.shape[0] != scales.shape[0]:
+        raise ValueError(f"values must be [num_tokens, width] matching scales, got {tuple(values.shape)} "
+                         f"and {tuple(scales.shape)}")
+    if fmt == "fp8":
+        if values.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or scales.dim() != 1:
+            raise ValueError("FP8 keys are (values [T, D] float8_e4m3fn, scales [T] float32)")
+        return values.shape[1]
+    head_dim = values.shape[1] * 2
+    if values.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != (values.shape[0], head_dim // 32):
+        raise ValueError("MXFP4 keys are (packed [T, D/2] uint8, scales [T, D/32] uint8), D a multiple of 32")
+    return head_dim
+
+
+def dequantize_indexer_keys(values: torch.Tensor, scales: torch.Tensor, indexer_kv_dtype: str = "fp8",
+                            *, impl: str = "auto") -> torch.Tensor:
+    """Decode gathered keys (as returned by :func:`gather_indexer_keys`) to fp32 ``[T, head_dim]``.
+
+    FP8: ``value * scale``; MXFP4: each e2m1 value times ``2**(scale_byte - 127)`` of its
+    32-value group. Exact (every scale is a power of two).
+
+    Example::
+
+        >>> values = torch.ones(2, 128).to(torch.float8_e4m3fn)
+        >>> dequantize_indexer_keys(values, torch.tensor([0.5, 2.0]))[:, 0]
+        tensor([0.5000, 2.0000])
+    """
+    fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
+    head_dim = _check_quantized(values, scales, fmt)
+    _check_same_device(values=values, scales=scales)
+    if not _use_triton(impl, values, scales):
+        return naive.dequantize_indexer_keys(values, scales, fmt)
+    from dsacache.ops.indexer_k_cache.triton_kernels import launch_dequantize
+
+    out = torch.empty((values.shape[0], head_dim), dtype=torch.float32, device=values.device)
+    launch_dequantize(values.contiguous().view(torch.uint8), scales.contiguous(), out, fmt)
+    return out

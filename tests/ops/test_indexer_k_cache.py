@@ -1,0 +1,535 @@
+"""Indexer key cache write path: Triton against the PyTorch reference, byte layout, edge cases.
+
+On CPU the Triton kernels run under the interpreter (``impl="triton"``) at small sizes;
+the ``cuda`` cases (marked ``gpu``) run the same checks on the device at larger sizes.
+Every pool is a packed multi-layer pool pre-filled with a sentinel: each test checks
+that the bytes no written slot owns are still the sentinel afterwards.
+"""
+
+import math
+import struct
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsacache.formats.indexer_key import quantize_fp8, quantize_mxfp4
+from dsacache.ops.indexer_k_cache import (
+    dequantize_indexer_keys,
+    fused_norm_store_indexer_keys,
+    gather_indexer_keys,
+    store_indexer_keys,
+)
+from dsacache.ops.indexer_k_cache import naive
+from tests.helpers import rel_rms_error, triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton (or its interpreter)")
+
+SENTINEL = 0xA5
+PAGE = 64
+MLA_BYTES = 16    # a stand-in MLA entry beside each layer's indexer page
+NUM_LAYERS = 3
+LAYER = 1         # the layer under test; layers 0 and 2 must stay untouched
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def entry_bytes(fmt, head_dim):
+    return head_dim + 4 if fmt == "fp8" else head_dim // 2 + head_dim // 32
+
+
+class PackedPool:
+    """A flat byte pool of ``num_pages`` sub-rows, each holding every layer's MLA and indexer page.
+
+    A few extra pages at the end stand for state rows: no slot ever points into them.
+    """
+
+    def __init__(self, fmt, head_dim, num_pages, device, extra_pages=2):
+        self.fmt, self.head_dim, self.num_pages = fmt, head_dim, num_pages
+        self.entry = entry_bytes(fmt, head_dim)
+        self.page_stride = NUM_LAYERS * PAGE * (MLA_BYTES + self.entry)
+        self.offset = LAYER * PAGE * (MLA_BYTES + self.entry) + PAGE * MLA_BYTES
+        total = (num_pages + extra_pages) * self.page_stride
+        self.raw = torch.full((total,), SENTINEL, dtype=torch.uint8, device=device)
+
+    @property
+    def pages(self):
+        return self.raw.as_strided((self.num_pages, PAGE, self.entry), (self.page_stride, self.entry, 1), self.offset)
+
+    def value_scale_bytes(self):
+        if self.fmt == "fp8":
+            return self.head_dim, 4
+        return self.head_dim // 2, self.head_dim // 32
+
+    def owned_mask(self, slots):
+        """Bytes of the raw pool that the given slots' entries own (formats.md layout)."""
+        mask = torch.zeros(self.raw.shape, dtype=torch.bool)
+        vb, sb = self.value_scale_bytes()
+        slots = torch.as_tensor(slots).cpu().long()
+        slots = slots[slots >= 0].view(-1, 1)
+        base = self.offset + (slots // PAGE) * self.page_stride
+        row = slots % PAGE
+        mask[base + row * vb + torch.arange(vb)] = True
+        mask[base + PAGE * vb + row * sb + torch.arange(sb)] = True
+        return mask
+
+    def assert_only_slots_written(self, slots):
+        raw = self.raw.cpu()
+        untouched = raw[~self.owned_mask(slots)]
+        changed = int((untouched != SENTINEL).sum())
+        assert changed == 0, f"{changed} bytes outside the slots changed"
+
+    def entries(self, slots):
+        """(value bytes ``[n, vb]``, scale bytes ``[n, sb]``) of slots, read from the raw pool by
+        the formats.md layout alone."""
+        raw = self.raw.cpu()
+        vb, sb = self.value_scale_bytes()
+        slots = torch.as_tensor(slots).cpu().long().view(-1, 1)
+        base = self.offset + (slots // PAGE) * self.page_stride
+        row = slots % PAGE
+        return raw[base + row * vb + torch.arange(vb)], raw[base + PAGE * vb + row * sb + torch.arange(sb)]
+
+    def raw_entry(self, slot):
+        values, scales = self.entries([slot])
+        return values[0], scales[0]
+
+    def decode_raw(self, slot):
+        """fp32 key stored at ``slot``, decoded by hand from its raw bytes."""
+        values, scales = self.raw_entry(slot)
+        if self.fmt == "fp8":
+            (scale,) = struct.unpack("<f", bytes(scales.tolist()))
+            return values.view(torch.float8_e4m3fn).float() * scale
+        out = []
+        for i, byte in enumerate(values.tolist()):
+            for code in (byte & 0xF, byte >> 4):
+                magnitude = E2M1[code & 7] * 2.0 ** (scales[(2 * i) // 32].item() - 127)
+                out.append(-magnitude if code & 8 else magnitude)
+        return torch.tensor(out)
+
+
+def impl_for(device):
+    return "triton" if device == "cpu" else "auto"
+
+
+def random_slots(num_tokens, num_pages, device, num_skipped=0):
+    slots = torch.randperm(num_pages * PAGE)[:num_tokens]
+    if num_skipped:
+        slots[torch.randperm(num_tokens)[:num_skipped]] = -1
+    return slots.to(device)
+
+
+def random_keys(num_tokens, head_dim, dtype, device):
+    """Keys with per-token magnitudes over six decades, so scales vary."""
+    magnitude = 10.0 ** torch.empty(num_tokens, 1).uniform_(-3, 3)
+    return (torch.randn(num_tokens, head_dim) * magnitude).to(dtype).to(device)
+
+
+def e4m3_code_distance(a, b):
+    """Distance in representable steps between e4m3 codes (uint8 tensors of the same shape)."""
+    def ordinal(c):
+        c = c.cpu().int()
+        return torch.where(c >= 128, -(c - 128), c)
+
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+def assert_fp8_close(pool_a, pool_b, slots):
+    """Scales bit-identical; values within one code step on under 1% of entries."""
+    valid = slots[slots >= 0]
+    values_a, scales_a = pool_a.entries(valid)
+    values_b, scales_b = pool_b.entries(valid)
+    assert torch.equal(scales_a, scales_b)
+    dist = e4m3_code_distance(values_a, values_b)
+    assert int(dist.max()) <= 1
+    assert float((dist > 0).float().mean()) < 0.01
+
+
+def store_both(fmt, num_tokens, head_dim, dtype, device, num_pages, store, num_skipped=0):
+    """Run ``store(k, pages, slots, impl)`` with Triton and with the reference on twin pools."""
+    k = random_keys(num_tokens, head_dim, dtype, device)
+    slots = random_slots(num_tokens, num_pages, device, num_skipped)
+    pools = {}
+    for impl in (impl_for(device), "torch"):
+        pools[impl] = PackedPool(fmt, head_dim, num_pages, device)
+        store(k, pools[impl].pages, slots, impl)
+    return k, slots, pools[impl_for(device)], pools["torch"]
+
+
+# ---- plain FP8 store ---------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_tokens,dtype", [(1, torch.bfloat16), (63, torch.float16),
+                                              (64, torch.float32), (65, torch.bfloat16)])
+def test_store_fp8_matches_reference(device, num_tokens, dtype):
+    num_tokens *= 1 if device == "cpu" else 128
+    num_pages = max(2, 2 * num_tokens // PAGE)
+
+    def store(k, pages, slots, impl):
+        store_indexer_keys(k, pages, slots, "fp8", impl=impl)
+
+    _, slots, tri, ref = store_both("fp8", num_tokens, 128, dtype, device, num_pages, store,
+                                    num_skipped=num_tokens // 8)
+    assert_fp8_close(tri, ref, slots)
+    tri.assert_only_slots_written(slots)
+    ref.assert_only_slots_written(slots)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_fp8_packed_pool_page_stride(device):
+    """A K3.1-sized page stride (24 layers): the other layers' bytes stay untouched."""
+    page_stride, layer_offset, num_pages = 1_013_760, 5 * 64 * 660 + 64 * 528, 3
+    raw = torch.full((num_pages * page_stride,), SENTINEL, dtype=torch.uint8, device=device)
+    pages = raw.as_strided((num_pages, PAGE, 132), (page_stride, 132, 1), layer_offset)
+    k = random_keys(40, 128, torch.bfloat16, device)
+    slots = torch.randperm(num_pages * PAGE)[:40].to(device)
+    store_indexer_keys(k, pages, slots, impl=impl_for(device))
+    expected = torch.full_like(raw, SENTINEL)
+    expected_pages = expected.as_strided(pages.shape, pages.stride(), layer_offset)
+    store_indexer_keys(k, expected_pages, slots, impl="torch")
+    changed = raw != expected
+    assert int(changed.sum()) <= 0.01 * 40 * 128
+
+
+# ---- fused LayerNorm store -----------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [1, 65])
+def test_fused_store_matches_reference(device, fmt, num_tokens):
+    """Random LayerNorm parameters: the two LayerNorms differ in the last bit, so rare flips."""
+    num_tokens *= 1 if device == "cpu" else 128
+    weight = torch.randn(128, device=device)
+    bias = torch.randn(128, device=device) * 0.1
+
+    def store(k, pages, slots, impl):
+        fused_norm_store_indexer_keys(k, weight, bias, pages, slots, fmt, impl=impl)
+
+    k, slots, tri, ref = store_both(fmt, num_tokens, 128, torch.bfloat16, device,
+                                    max(2, 2 * num_tokens // PAGE), store, num_skipped=num_tokens // 8)
+    if fmt == "fp8":
+        assert_fp8_close(tri, ref, slots)
+    else:
+        valid = slots[slots >= 0]
+        a, b = torch.cat(tri.entries(valid), dim=1), torch.cat(ref.entries(valid), dim=1)
+        assert float((a != b).float().mean()) < 1e-3
+    tri.assert_only_slots_written(slots)
+    ref.assert_only_slots_written(slots)
+    for s in slots[:4].tolist():
+        if s >= 0:
+            t = int((slots == s).nonzero()[0])
+            expected = naive.layer_norm(k[t].cpu(), weight.cpu(), bias.cpu(), 1e-6)
+            assert rel_rms_error(tri.decode_raw(s), expected) < (0.07 if fmt == "fp8" else 0.2)
+
+
+def test_reference_layer_norm_matches_torch():
+    k, w, b = torch.randn(7, 128), torch.randn(128), torch.randn(128)
+    out = naive.layer_norm(k, w, b, 1e-6)
+    assert rel_rms_error(out, F.layer_norm(k, (128,), w, b, 1e-6)) < 1e-6
+
+
+def mxfp4_store_both(x, device, num_pages=2):
+    """Store ``x`` as MXFP4 through the Triton kernel without the norm, and through the reference codec."""
+    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+
+    slots = torch.arange(x.shape[0], device=device)
+    tri = PackedPool("mxfp4", x.shape[1], num_pages, device)
+    launch_store(x.to(device), tri.pages, slots, "mxfp4")
+    ref = PackedPool("mxfp4", x.shape[1], num_pages, device)
+    naive.store_quantized(x.to(device), ref.pages, slots, "mxfp4")
+    return slots, tri, ref
+
+
+# Hand-picked MXFP4 values at scale 1 (each group has amax 6): every rounding threshold
+# (ties go to the even code), signed zeros, +-6, and a few just off the ties.
+MXFP4_EDGES = [6.0, -6.0, 0.0, -0.0, 0.25, -0.25, 0.75, -0.75, 1.25, -1.25, 1.75, -1.75, 2.5, -2.5,
+               3.5, -3.5, 5.0, -5.0, 0.2499, 0.2501, 0.7499, 1.2501, 1.7499, 2.4999, 2.5001, 3.4999,
+               4.9999, 5.0001, 0.5, 1.0, 3.0, 4.0]
+
+
+def mxfp4_edge_groups():
+    """Groups of 32: the edge list at scale 1 and 2**-10, an all-zero group, and inf/NaN groups."""
+    edges = torch.tensor(MXFP4_EDGES)
+    inf_group = torch.zeros(32)
+    inf_group[:4] = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan")])
+    nan_group = torch.full((32,), float("nan"))
+    return torch.cat([edges, edges * 2.0 ** -10, torch.zeros(32), -torch.zeros(32), inf_group, nan_group,
+                      edges * 2.0 ** 100, edges * 2.0 ** -120])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mxfp4_codes_bit_identical(device):
+    """The Triton MXFP4 quantizer against the reference codec: random and hand-picked values."""
+    x = random_keys(16 if device == "cpu" else 4096, 128, torch.float32, device)
+    slots, tri, ref = mxfp4_store_both(x, device, num_pages=max(2, x.shape[0] // PAGE))
+    assert torch.equal(tri.raw, ref.raw)
+    edges = mxfp4_edge_groups().view(2, -1)
+    slots, tri, ref = mxfp4_store_both(edges, device)
+    assert torch.equal(tri.raw, ref.raw)
+    packed, scales = quantize_mxfp4(edges)
+    for t in range(2):
+        values, scale_bytes = tri.raw_entry(t)
+        assert torch.equal(values, packed[t]) and torch.equal(scale_bytes, scales[t])
+    decoded = dequantize_indexer_keys(packed.to(device), scales.to(device), "mxfp4", impl=impl_for(device))
+    assert torch.equal(decoded.cpu(), naive.dequantize_indexer_keys(packed, scales, "mxfp4"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_mxfp4_ties_through_bias(device):
+    """With k = 0 and weight = -1 the LayerNorm output is exactly ``bias``, so hand-picked
+    values reach the fused MXFP4 insert unchanged, signed zeros included."""
+    bias = mxfp4_edge_groups()[:256]
+    zeros = torch.zeros(3, 256, device=device)
+    weight = -torch.ones(256, device=device)
+    slots = torch.tensor([0, 70, 5], device=device)
+    for impl in (impl_for(device), "torch"):
+        pool = PackedPool("mxfp4", 256, 2, device)
+        fused_norm_store_indexer_keys(zeros, weight, bias.to(device), pool.pages, slots, "mxfp4", impl=impl)
+        packed, scales = quantize_mxfp4(bias)
+        for s in slots.tolist():
+            values, scale_bytes = pool.raw_entry(s)
+            assert torch.equal(values, packed) and torch.equal(scale_bytes, scales)
+        pool.assert_only_slots_written(slots)
+
+
+# ---- byte layout and round trip -------------------------------------------------------
+
+def e4m3_half_step(y):
+    """Half the e4m3 code spacing at magnitude ``|y|`` (spacing 2**-9 below 2**-6)."""
+    exponent = torch.floor(torch.log2(y.abs().clamp_min(2.0 ** -6)))
+    return 0.5 * 2.0 ** (exponent - 3)
+
+
+def e2m1_half_step(y):
+    mag = y.abs()
+    return torch.where(mag < 2, 0.25, torch.where(mag < 4, 0.5, 1.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_layout_and_round_trip(device):
+    """Keys rebuilt from raw page bytes by the formats.md layout alone are within half a step."""
+    k = random_keys(70, 128, torch.float32, device)
+    pool = PackedPool("fp8", 128, 3, device)
+    slots = random_slots(70, 3, device)
+    store_indexer_keys(k, pool.pages, slots, impl=impl_for(device))
+    _, scale = quantize_fp8(k.cpu())
+    for t, s in enumerate(slots.tolist()):
+        decoded = pool.decode_raw(s)
+        x = k[t].cpu()
+        assert torch.all((decoded - x).abs() <= e4m3_half_step(x / scale[t]) * scale[t])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mxfp4_layout_and_round_trip(device):
+    x = random_keys(8, 128, torch.float32, device)
+    slots, tri, _ = mxfp4_store_both(x, device)
+    exponents = quantize_mxfp4(x.cpu())[1].int() - 127
+    for t in range(8):
+        scale = (2.0 ** exponents[t].double()).repeat_interleave(32)
+        decoded, xt = tri.decode_raw(t).double(), x[t].cpu().double()
+        assert torch.all((decoded - xt).abs() <= e2m1_half_step(xt / scale) * scale)
+
+
+# ---- edge cases ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partly_filled_last_page_and_skipped_slots(device):
+    k = random_keys(80, 128, torch.bfloat16, device)
+    slots = torch.arange(80, device=device)
+    slots[70:] = -1  # page 1 gets rows 0..5 only
+    pool = PackedPool("fp8", 128, 2, device)
+    store_indexer_keys(k, pool.pages, slots, impl=impl_for(device))
+    pool.assert_only_slots_written(slots)
+    assert not bool((pool.raw_entry(69)[0] == SENTINEL).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_tokens", [0, 5])
+def test_no_valid_slot_writes_nothing(device, num_tokens):
+    k = random_keys(num_tokens, 128, torch.bfloat16, device)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
+    for fmt in ("fp8", "mxfp4"):
+        pool = PackedPool(fmt, 128, 2, device)
+        w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+        fused_norm_store_indexer_keys(k, w, b, pool.pages, slots, fmt, impl=impl_for(device))
+        if fmt == "fp8":
+            store_indexer_keys(k, pool.pages, slots, impl=impl_for(device))
+        assert bool((pool.raw == SENTINEL).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_slots(device):
+    """Rule: the reference keeps the last token; Triton defines the entry when the repeats agree."""
+    k = random_keys(6, 128, torch.float32, device)
+    k[3] = k[1]
+    slots = torch.tensor([9, 4, 8, 4, 9, 100], device=device)
+    tri = PackedPool("fp8", 128, 2, device)
+    store_indexer_keys(k, tri.pages, slots, impl=impl_for(device))
+    values, scale = quantize_fp8(k[1].cpu())
+    assert torch.equal(tri.raw_entry(4)[0], values.view(torch.uint8))
+    tri.assert_only_slots_written(slots)
+    ref = PackedPool("fp8", 128, 2, device)
+    store_indexer_keys(k, ref.pages, slots, impl="torch")
+    assert torch.equal(ref.raw_entry(9)[0], quantize_fp8(k[4].cpu())[0].view(torch.uint8))
+    ref.assert_only_slots_written(slots)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_keys(device):
+    base = random_keys(30, 384, torch.bfloat16, device)
+    slots = torch.arange(10, device=device) * 7
+    for k in (base[::3, :128], base[:10, ::3]):
+        strided, contiguous = PackedPool("fp8", 128, 2, device), PackedPool("fp8", 128, 2, device)
+        store_indexer_keys(k, strided.pages, slots, impl=impl_for(device))
+        store_indexer_keys(k.contiguous(), contiguous.pages, slots, impl=impl_for(device))
+        assert torch.equal(strided.raw, contiguous.raw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_keys_get_the_floor_scale(device):
+    k = torch.zeros(3, 128, device=device)
+    slots = torch.tensor([0, 1, 2], device=device)
+    pool = PackedPool("fp8", 128, 2, device)
+    store_indexer_keys(k, pool.pages, slots, impl=impl_for(device))
+    values, scales = pool.raw_entry(1)
+    # max(amax, 1e-4) / 448 rounds up to 2**-22.
+    assert bool((values == 0).all()) and struct.unpack("<f", bytes(scales.tolist()))[0] == 2.0 ** -22
+    _, mx, _ = mxfp4_store_both(k, device)
+    values, scales = mx.raw_entry(2)
+    assert bool((values == 0).all()) and bool((scales == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_huge_and_non_finite_fp8(device):
+    """Rule (formats/indexer_key.py): scale from finite elements, inf saturates, NaN stores NaN."""
+    k = torch.randn(4, 128)
+    k[0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    k[1, 0] = 3e38
+    k[2] = float("nan")
+    k[3, 5] = -1e30
+    slots = torch.tensor([3, 2, 1, 0], device=device)
+    pool = PackedPool("fp8", 128, 2, device)
+    store_indexer_keys(k.to(device), pool.pages, slots, impl=impl_for(device))
+    values, scales = quantize_fp8(k)
+    for t, s in enumerate(slots.tolist()):
+        got_values, got_scale = pool.raw_entry(s)
+        assert torch.equal(got_scale.view(torch.float32), scales[t:t + 1])
+        want = values[t].view(torch.uint8)
+        nan = torch.isnan(values[t].float())
+        assert torch.equal(torch.isnan(got_values.view(torch.float8_e4m3fn).float()), nan)
+        assert int(e4m3_code_distance(got_values[~nan], want[~nan]).max(), ) <= 1 if bool((~nan).any()) else True
+    assert pool.raw_entry(3)[0][0] == 0x7E and pool.raw_entry(3)[0][1] == 0xFE  # +-448
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_nan_input_rule(device):
+    k = torch.randn(2, 128, device=device)
+    k[0, 7] = float("nan")
+    w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+    slots = torch.tensor([0, 1], device=device)
+    for fmt in ("fp8", "mxfp4"):
+        pool = PackedPool(fmt, 128, 2, device)
+        fused_norm_store_indexer_keys(k, w, b, pool.pages, slots, fmt, impl=impl_for(device))
+        if fmt == "fp8":
+            assert bool(torch.isnan(pool.decode_raw(0)).all())
+        else:
+            values, scales = pool.raw_entry(0)
+            assert bool((values == 0).all()) and bool((scales == 0).all())
+        assert bool(torch.isfinite(pool.decode_raw(1)).all())
+
+
+# ---- bad input: a clear error, nothing written -------------------------------------------
+
+def bad_store_calls(device):
+    k = torch.randn(4, 128, device=device)
+    slots = torch.tensor([0, 1, 2, 3], device=device)
+    w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+    return [
+        ("k.dtype", lambda p: store_indexer_keys(k.to(torch.int32), p, slots)),
+        ("2-D", lambda p: store_indexer_keys(k[0], p, slots)),
+        ("must be \\[num_pages", lambda p: store_indexer_keys(k[:, :96], p, slots)),
+        ("slot_mapping values", lambda p: store_indexer_keys(k, p, torch.tensor([0, 1, 2, 128], device=device))),
+        ("slot_mapping values", lambda p: store_indexer_keys(k, p, torch.tensor([0, -2, 2, 3], device=device))),
+        ("slot_mapping has 3", lambda p: store_indexer_keys(k, p, slots[:3])),
+        ("int32 or int64", lambda p: store_indexer_keys(k, p, slots.float())),
+        ("fused LayerNorm insert", lambda p: store_indexer_keys(k, p, slots, "mxfp4")),
+        ("allowed: auto", lambda p: store_indexer_keys(k, p, slots, "int8")),
+        ("weight must be", lambda p: fused_norm_store_indexer_keys(k, w[:64], b, p, slots)),
+        ("eps", lambda p: fused_norm_store_indexer_keys(k, w, b, p, slots, eps=-1.0)),
+        ("multiple of 32", lambda p: fused_norm_store_indexer_keys(k[:, :48], w[:48], b[:48], p, slots, "mxfp4")),
+        ("impl", lambda p: store_indexer_keys(k, p, slots, impl="cuda")),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_raises_and_writes_nothing(device):
+    for message, call in bad_store_calls(device):
+        pool = PackedPool("fp8", 128, 2, device)
+        with pytest.raises(ValueError, match=message):
+            call(pool.pages)
+        assert bool((pool.raw == SENTINEL).all()), message
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_not_an_indexer_view_is_refused(device):
+    k = torch.randn(2, 128, device=device)
+    slots = torch.tensor([0, 1], device=device)
+    raw = torch.full((4 * 64 * 656,), SENTINEL, dtype=torch.uint8, device=device)
+    mla_view = raw.view(4, 64, 656)
+    not_contiguous = raw[: 4 * 64 * 264].view(4, 64, 264)[:, :, :132]
+    for pages in (mla_view, not_contiguous, raw.view(torch.int32)[:4 * 64 * 33].view(4, 64, 33)):
+        with pytest.raises(ValueError, match="indexer pages|page must be contiguous"):
+            store_indexer_keys(k, pages, slots)
+    assert bool((raw == SENTINEL).all())
+
+
+# ---- gather and dequantize ---------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_gather_and_dequantize(device, fmt):
+    seq_lens = [0, 1, 63, 64, 65, 130]
+    num_pages = 16
+    block_table = torch.randperm(num_pages)[:12].view(6, 2).int().to(device)
+    block_table[5, 1] = -1  # positions 64..129 of the last request: no page, gathered as zeros
+    cu_seqlens = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0).int().to(device)
+    pool = PackedPool(fmt, 128, num_pages, device)
+    k = random_keys(num_pages * PAGE, 128, torch.bfloat16, device)
+    w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+    fused_norm_store_indexer_keys(k, w, b, pool.pages, torch.arange(num_pages * PAGE, device=device), fmt)
+    outputs = {}
+    for impl in (impl_for(device), "torch"):
+        values, scales = gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, 128, impl=impl)
+        keys = dequantize_indexer_keys(values, scales, fmt, impl=impl)
+        outputs[impl] = (values.view(torch.uint8).cpu(), scales.view(torch.uint8).cpu(), keys.cpu())
+    for got, want in zip(outputs[impl_for(device)], outputs["torch"]):
+        assert torch.equal(got, want)
+    keys = outputs["torch"][2]
+    start = int(cu_seqlens[4])  # request 4, position 64: block_table[4, 1], row 0
+    assert torch.equal(keys[start + 64], pool.decode_raw(int(block_table[4, 1]) * PAGE))
+    assert bool((keys[int(cu_seqlens[5]) + 64:] == 0).all())
+
+
+def test_gather_validates_metadata():
+    pool = PackedPool("fp8", 128, 2, "cpu")
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gather_indexer_keys(pool.pages, table, torch.tensor([0, 3], dtype=torch.int32), "fp8", 128)
+    with pytest.raises(ValueError, match="block_table"):
+        gather_indexer_keys(pool.pages, table.long(), torch.tensor([0, 3, 4], dtype=torch.int32), "fp8", 128)
+
+
+def test_dequantize_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="MXFP4 keys"):
+        dequantize_indexer_keys(torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8), "mxfp4")
+    with pytest.raises(ValueError, match="FP8 keys"):
+        dequantize_indexer_keys(torch.zeros(2, 128), torch.ones(2), "fp8")
+
+
+def test_docstring_examples_run():
+    pool = torch.zeros(4, 64, 132, dtype=torch.uint8)
+    store_indexer_keys(torch.randn(3, 128), pool, torch.tensor([0, 65, -1]))
+    values, scales = gather_indexer_keys(pool, torch.tensor([[2, 0]], dtype=torch.int32),
+                                         torch.tensor([0, 70], dtype=torch.int32), "fp8", 128)
+    assert values.shape == (70, 128) and scales.shape == (70,)
+    assert math.isclose(float(dequantize_indexer_keys(torch.ones(1, 128).to(torch.float8_e4m3fn),
+                                                      torch.tensor([0.5]))[0, 0]), 0.5)
