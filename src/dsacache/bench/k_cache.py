@@ -164,9 +164,8 @@ def _extra_store_rows(args, fmt, pool, num_pages):
     rows.append(BenchRow(f"store {fmt} {mode} torch ref", f"T={n} D={args.head_dim} bf16 random", ms, nbytes,
                          args.ceiling_gbps))
     if args.sweep:
-        rows += _sweep_rows(args, fmt, mode, pool, k, weight, bias, slots, nbytes)
-        if fmt == "fp8":
-            rows += _sweep_rows(args, fmt, "fused", pool, k, weight, bias, slots, nbytes)
+        for sweep_mode in ("plain", "fused") if fmt == "fp8" else ("fused", "quant"):
+            rows += _sweep_rows(args, fmt, sweep_mode, pool, k, weight, bias, slots, nbytes)
     rows += _gather_rows(args, fmt, pool, num_pages)
     return rows
 
@@ -176,8 +175,8 @@ def _sweep_rows(args, fmt, mode, pool, k, weight, bias, slots, nbytes):
     norm = {"weight": weight, "bias": bias, "eps": 1e-6} if mode == "fused" else {}
     from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
 
-    for tokens_per_program in (8, 16, 32):
-        for num_warps in (1, 2, 4):
+    for tokens_per_program in (16, 32, 64):
+        for num_warps in (2, 4):
             ms = time_graph(lambda: launch_store(k, pool.pages, slots, fmt, tokens_per_program=tokens_per_program,
                                                  num_warps=num_warps, **norm))
             rows.append(BenchRow(f"sweep {fmt} {mode}", f"T={k.shape[0]} tpp={tokens_per_program} w={num_warps}",

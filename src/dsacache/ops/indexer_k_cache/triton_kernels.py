@@ -20,6 +20,8 @@ FORMAT_IDS = {"fp8": 0, "mxfp4": 1}
 
 # About 2K elements a program: enough bytes in flight per SM, few registers a thread.
 _ELEMENTS_PER_PROGRAM = 2048
+#: From this many tokens on, the MXFP4 store gives each thread two rows.
+_LARGE_BATCH = 32768
 
 
 @triton.jit
@@ -29,10 +31,19 @@ def _pow2(exp):
 
 
 @triton.jit
-def _finite_abs(x):
-    """``|x|`` with NaN and inf replaced by 0: one bad element never sets a block's scale."""
-    a = tl.abs(x)
-    return tl.where(a < float("inf"), a, 0.0)
+def _finite_abs(x, INTERPRET: tl.constexpr):
+    """``|x|`` for finite ``x``, a value that ``tl.max`` skips for NaN and inf.
+
+    On the GPU that is one FMA: ``inf * 0`` is NaN and ``max.f32`` returns its other operand,
+    so one bad element never sets a block's scale (and an all-NaN block's max is NaN, which the
+    callers' ``tl.maximum``/``amax > 0`` turn into the floor). The interpreter's maximum
+    propagates NaN, so there non-finite values become 0 instead.
+    """
+    if INTERPRET:
+        a = tl.abs(x)
+        return tl.where(a < float("inf"), a, 0.0)
+    else:
+        return x * 0.0 + tl.abs(x)
 
 
 @triton.jit
@@ -42,18 +53,6 @@ def _ceil_pow2_exponent(amax, MANTISSA_LIMIT: tl.constexpr, SHIFT: tl.constexpr)
     biased = (bits >> 23) & 0xFF
     frac = bits & 0x7FFFFF
     return biased - 127 - SHIFT + (frac > MANTISSA_LIMIT).to(tl.int32)
-
-
-@triton.jit
-def _layer_norm(x, mask_d, w_ptr, b_ptr, offs_d, eps, D: tl.constexpr):
-    # x: [BLOCK_T, BLOCK_D] fp32, zero where ~mask_d -> [BLOCK_T, BLOCK_D] fp32
-    w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / D
-    centered = tl.where(mask_d[None, :], x - mean[:, None], 0.0)
-    var = tl.sum(centered * centered, axis=1) / D
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-    return centered * rstd[:, None] * w[None, :] + b[None, :]
 
 
 @triton.jit
@@ -76,77 +75,14 @@ def _e4m3_encode_int(y):
 
 
 @triton.jit
-def _store_fp8(x, page_ptr, row, valid, offs_d, mask_d, D: tl.constexpr, PAGE: tl.constexpr,
-               INT_CAST: tl.constexpr):
-    # x: [BLOCK_T, BLOCK_D] fp32; page_ptr, row, valid: [BLOCK_T]
-    amax = tl.maximum(tl.max(_finite_abs(x), axis=1), 1e-4)
-    # 448 = 1.75 * 2**8: mantissa limit 0x600000, shift 8.
-    exp = _ceil_pow2_exponent(amax, 0x600000, 8)
-    y = x * _pow2(-exp)[:, None]
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
-    if INT_CAST:
-        codes = _e4m3_encode_int(y).to(tl.uint8)
-    else:
-        codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    value_ptr = page_ptr[:, None] + row[:, None] * D + offs_d[None, :]
-    tl.store(value_ptr, codes, mask=valid[:, None] & mask_d[None, :])
-    scale_ptr = (page_ptr + PAGE * D + row * 4).to(tl.pointer_type(tl.float32))
-    tl.store(scale_ptr, _pow2(exp), mask=valid)
-
-
-@triton.jit
-def _e2m1_encode(y):
-    """fp32 ``y`` (already divided by its scale, so ``|y| <= 6`` or inf/NaN) -> e2m1 codes (int32 0..15).
-
-    Round half to even by integer arithmetic on the fp32 bits: the kernel is ALU-bound, and
-    this costs about half of comparing against the seven thresholds (no float-to-int
-    conversion, which runs at a quarter rate). inf saturates to 6, NaN -> +0.
-    """
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 28) & 8
-    mag_bits = bits & 0x7FFFFFFF
-    # |y| >= 1: keep one mantissa bit (round half to even), rebias the exponent from 127 to 1.
-    normal = tl.minimum((mag_bits + (0x1FFFFF - (252 << 22)) + ((mag_bits >> 22) & 1)) >> 22, 7)
-    # |y| < 1: multiples of 0.5 (codes 0, 1, 2). Adding 2**23 rounds 2|y| to an integer, half
-    # to even, and leaves that integer in the low mantissa bits.
-    small = mag_bits < 0x3F800000
-    twice = tl.where(small, mag_bits, 0).to(tl.float32, bitcast=True) * 2.0
-    halves = (twice + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    code = tl.where(small, halves, normal) | sign
-    return tl.where(mag_bits > 0x7F800000, 0, code)
-
-
-@triton.jit
-def _store_mxfp4(x, page_ptr, row, valid, D: tl.constexpr, PAGE: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    # x: [BLOCK_T, BLOCK_D] fp32; page_ptr, row, valid: [BLOCK_T]
-    GROUPS: tl.constexpr = BLOCK_D // 32
-    groups = tl.reshape(x, (BLOCK_T, GROUPS, 32))
-    amax = tl.max(_finite_abs(groups), axis=2)
-    # 6 = 1.5 * 2**2: mantissa limit 0x400000, shift 2; an all-zero group gets the smallest scale.
-    exp = _ceil_pow2_exponent(amax, 0x400000, 2)
-    exp = tl.where(amax > 0, exp, -127)
-    exp = tl.minimum(tl.maximum(exp, -127), 127)
-    codes = _e2m1_encode(groups * _pow2(-exp)[:, :, None])
-    low, high = tl.split(tl.reshape(codes, (BLOCK_T, BLOCK_D // 2, 2)))
-    packed = (low | (high << 4)).to(tl.uint8)
-    offs_b = tl.arange(0, BLOCK_D // 2)
-    value_ptr = page_ptr[:, None] + row[:, None] * (D // 2) + offs_b[None, :]
-    tl.store(value_ptr, packed, mask=valid[:, None] & (offs_b < D // 2)[None, :])
-    offs_g = tl.arange(0, GROUPS)
-    scale_ptr = page_ptr[:, None] + PAGE * (D // 2) + row[:, None] * (D // 32) + offs_g[None, :]
-    tl.store(scale_ptr, (exp + 127).to(tl.uint8), mask=valid[:, None] & (offs_g < D // 32)[None, :])
-
-
-@triton.jit
-def _store_kernel(
+def _store_fp8_kernel(
     k_ptr,          # [num_tokens, D] bf16/fp16/fp32, strides (stride_kt, stride_kd)
     w_ptr, b_ptr,   # [D] LayerNorm weight and bias (read only when NORM)
     slot_ptr,       # [num_tokens] int32/int64, -1 = skip
     pages_ptr,      # uint8 base of the layer's pages [num_pages, PAGE, entry], page stride page_stride
     num_tokens, num_slots, stride_kt, stride_kd, page_stride, eps,
-    D: tl.constexpr, PAGE: tl.constexpr, FORMAT: tl.constexpr, NORM: tl.constexpr,
-    INT_CAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
@@ -154,17 +90,157 @@ def _store_kernel(
     mask_t = offs_t < num_tokens
     # The key load does not wait for the slot load: both are in flight at once.
     k_rows = k_ptr + offs_t.to(tl.int64)[:, None] * stride_kt + offs_d[None, :] * stride_kd
-    x = tl.load(k_rows, mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    x = tl.load(k_rows, mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_D]
     slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
     if NORM:
-        x = _layer_norm(x, mask_d, w_ptr, b_ptr, offs_d, eps, D)
+        w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / D
+        centered = x - mean[:, None]
+        if D != BLOCK_D:
+            centered = tl.where(mask_d[None, :], centered, 0.0)
+        var = tl.sum(centered * centered, axis=1) / D
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+        x = centered * rstd[:, None] * w[None, :] + b[None, :]
+    amax = tl.maximum(tl.max(_finite_abs(x, INTERPRET), axis=1), 1e-4)
+    # 448 = 1.75 * 2**8: mantissa limit 0x600000, shift 8.
+    exp = _ceil_pow2_exponent(amax, 0x600000, 8)
+    y = x * _pow2(-exp)[:, None]
+    if INTERPRET:
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+        codes = _e4m3_encode_int(y).to(tl.uint8)
+    else:
+        # The hardware cast (cvt.rn.satfinite) saturates inf to +-448 and keeps NaN: no clamp.
+        codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     page_ptr = pages_ptr + (slot // PAGE) * page_stride
     row = slot % PAGE
-    if FORMAT == 0:
-        _store_fp8(x, page_ptr, row, valid, offs_d, mask_d, D, PAGE, INT_CAST)
+    tl.store(page_ptr[:, None] + row[:, None] * D + offs_d[None, :], codes, mask=valid[:, None] & mask_d[None, :])
+    scale_ptr = (page_ptr + PAGE * D + row * 4).to(tl.pointer_type(tl.float32))
+    tl.store(scale_ptr, _pow2(exp), mask=valid)
+
+
+@triton.jit
+def _e2m1_encode(y, INTERPRET: tl.constexpr):
+    """fp32 ``y`` (already divided by its scale: ``|y| <= 6``, inf or NaN) -> e2m1 codes (int32 0..15).
+
+    Round half to even by the magic-number trick: with ``E`` the exponent of ``a = |y|``,
+    ``M = 2**(22 + max(E, 0))`` has an ulp of exactly the e2m1 step at ``a`` (0.5, 1 or 2),
+    so ``(a + M) - M`` is ``a`` rounded to the grid, and ``r * 2**-126`` then holds e2m1's
+    own bit pattern (exponent bias 1, one mantissa bit) in bits 22..24. Mostly FMA-pipe
+    work: the integer/compare pipe runs at half rate on Hopper and limits this kernel.
+    inf saturates to 6, NaN -> +0 (arithmetic on NaN yields the positive canonical NaN).
+    """
+    if INTERPRET:
+        a = tl.where(y == y, tl.minimum(tl.abs(y), 6.0), 0.0)
     else:
-        _store_mxfp4(x, page_ptr, row, valid, D, PAGE, BLOCK_T, BLOCK_D)
+        # max/min return the operand that is not NaN: NaN -> 0, inf -> 6.
+        a = tl.minimum(tl.maximum(tl.abs(y), 0.0), 6.0)
+    exponent = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+    magic = exponent.to(tl.float32, bitcast=True) * 4194304.0
+    r = (a + magic) - magic
+    bits = (r * 1.1754943508222875e-38).to(tl.int32, bitcast=True)
+    if INTERPRET:
+        sign = tl.where(y == y, (y.to(tl.int32, bitcast=True) >> 28) & 8, 0)
+        return (bits >> 22) | sign
+    else:
+        # The two right shifts as high halves of multiplies (x >> 22 == umulhi(x, 2**10)): they
+        # run on the FMA pipe, which has room, instead of the integer pipe, which has none.
+        return tl.umulhi(bits, 1024) | (tl.umulhi(y.to(tl.int32, bitcast=True), 16) & 8)
+
+
+@triton.jit
+def _row_sum(x):
+    # [BLOCK_G, BLOCK_T, 4, 4] -> [BLOCK_T]
+    return tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=0)
+
+
+@triton.jit
+def _load_pair_halves(ptr, pair, mask, FP32_PAIRS: tl.constexpr):
+    """Elements ``2 * pair`` and ``2 * pair + 1`` of a contiguous vector, as fp32.
+
+    ``FP32_PAIRS`` (fp32, 8-byte aligned): one 64-bit load a pair instead of two scalar loads.
+    """
+    if FP32_PAIRS:
+        bits = tl.load(ptr.to(tl.pointer_type(tl.int64)) + pair, mask=mask, other=0)
+        return bits.to(tl.int32).to(tl.float32, bitcast=True), (bits >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        even = tl.load(ptr + 2 * pair, mask=mask, other=0.0).to(tl.float32)
+        return even, tl.load(ptr + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_mxfp4_kernel(
+    k_ptr,          # [num_tokens, D] bf16/fp16/fp32, strides (stride_kt, stride_kd)
+    w_ptr, b_ptr,   # [D] LayerNorm weight and bias (read only when NORM)
+    slot_ptr,       # [num_tokens] int32/int64, -1 = skip
+    pages_ptr,      # uint8 base of the layer's pages [num_pages, PAGE, entry], 4-byte aligned
+    num_tokens, num_slots, stride_kt, stride_kd, page_stride, eps,
+    D: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr, PAIRS: tl.constexpr, NORM_PAIRS: tl.constexpr,
+    INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    # Elements 2q and 2q + 1 of a row, pair q = 16 g + 4 j + l, live at [g, t, j, l] of two
+    # [BLOCK_G, BLOCK_T, 4, 4] tensors (even, odd). l is one 16-byte vector and the load
+    # layout spreads lanes over g, then t, so j is a register repeat: one thread owns whole
+    # 32-value groups (no shuffles for the group max), both nibbles of each byte (no split),
+    # and the 4 bytes of l pack into one 32-bit word.
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < num_tokens
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_g4 = offs_g[:, None, None, None]
+    offs_l4 = tl.arange(0, 4)[None, None, None, :]
+    pair = offs_g4 * 16 + tl.arange(0, 4)[None, None, :, None] * 4 + offs_l4   # [BLOCK_G, 1, 4, 4]
+    mask_g4 = offs_g4 < D // 32
+    mask = mask_t[None, :, None, None] & mask_g4
+    rows = k_ptr + offs_t.to(tl.int64)[None, :, None, None] * stride_kt
+    if PAIRS:
+        # bf16 keys with contiguous rows: one 32-bit load per pair, bf16 -> fp32 is a shift or a mask.
+        bits = tl.load(rows.to(tl.pointer_type(tl.int32)) + pair, mask=mask, other=0)
+        even = (bits << 16).to(tl.float32, bitcast=True)
+        odd = (bits & -65536).to(tl.float32, bitcast=True)
+    else:
+        even = tl.load(rows + (2 * pair) * stride_kd, mask=mask, other=0.0).to(tl.float32)
+        odd = tl.load(rows + (2 * pair + 1) * stride_kd, mask=mask, other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)
+    if NORM:
+        # weight and bias in the keys' shape (every row reads the same addresses), hence the
+        # same layout: no conversion. Small programs load them first, so the loads overlap the
+        # reductions (T=64: 3.1 -> 2.1 us); with two rows a thread that costs 40 registers
+        # (128 -> 168) and occupancy (1M tokens: 158 -> 198 us), so large ones load them last.
+        wb_pair = pair + 0 * offs_t[None, :, None, None]
+        if BLOCK_T <= 16:
+            w_even, w_odd = _load_pair_halves(w_ptr, wb_pair, mask_g4, NORM_PAIRS)
+            b_even, b_odd = _load_pair_halves(b_ptr, wb_pair, mask_g4, NORM_PAIRS)
+        mean = (_row_sum(even + odd) / D)[None, :, None, None]
+        even = even - mean
+        odd = odd - mean
+        if D != BLOCK_G * 32:
+            even = tl.where(mask_g4, even, 0.0)
+            odd = tl.where(mask_g4, odd, 0.0)
+        var = _row_sum(even * even + odd * odd) / D
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))[None, :, None, None]
+        if BLOCK_T > 16:
+            w_even, w_odd = _load_pair_halves(w_ptr, wb_pair, mask_g4, NORM_PAIRS)
+            b_even, b_odd = _load_pair_halves(b_ptr, wb_pair, mask_g4, NORM_PAIRS)
+        even = even * rstd * w_even + b_even
+        odd = odd * rstd * w_odd + b_odd
+    group_max = tl.maximum(_finite_abs(even, INTERPRET), _finite_abs(odd, INTERPRET))
+    amax = tl.max(tl.max(group_max, axis=3), axis=2)                            # [BLOCK_G, BLOCK_T]
+    # 6 = 1.5 * 2**2: mantissa limit 0x400000, shift 2; an all-zero group gets the smallest scale.
+    exp = _ceil_pow2_exponent(amax, 0x400000, 2)
+    exp = tl.where(amax > 0, exp, -127)
+    exp = tl.minimum(tl.maximum(exp, -127), 127)
+    inv_scale = _pow2(-exp)[:, :, None, None]
+    byte = _e2m1_encode(even * inv_scale, INTERPRET) + _e2m1_encode(odd * inv_scale, INTERPRET) * 16
+    words = tl.sum(byte * (1 << (8 * offs_l4)), axis=3)                         # [BLOCK_G, BLOCK_T, 4 (j)]
+    page_ptr = pages_ptr + (slot // PAGE) * page_stride
+    row = slot % PAGE
+    word_ptr = (page_ptr + row * (D // 2)).to(tl.pointer_type(tl.int32))[None, :, None]
+    offs_w = offs_g[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]
+    tl.store(word_ptr + offs_w, words, mask=valid[None, :, None] & (offs_g < D // 32)[:, None, None])
+    scale_ptr = page_ptr[None, :] + PAGE * (D // 2) + row[None, :] * (D // 32) + offs_g[:, None]
+    tl.store(scale_ptr, (exp + 127).to(tl.uint8), mask=valid[None, :] & (offs_g < D // 32)[:, None])
 
 
 def _interpreted() -> bool:
@@ -180,8 +256,8 @@ def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tenso
                  eps: float = 0.0, tokens_per_program: int | None = None, num_warps: int = 2) -> None:
     """Quantize ``k [T, D]`` (LayerNorm first when ``weight`` is given) into ``pages`` at ``slot_mapping``.
 
-    ``tokens_per_program`` and ``num_warps`` override the launch shape (the benchmark sweeps
-    them; 16 tokens and 2 warps were fastest at 1M tokens on the H200).
+    ``tokens_per_program`` and ``num_warps`` override the launch shape (the benchmark sweeps them;
+    at 1M tokens on the H200: FP8 16 tokens and 2 warps, MXFP4 32 tokens and 2 warps).
     """
     num_tokens, head_dim = k.shape
     if num_tokens == 0:
@@ -190,18 +266,28 @@ def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tenso
         raise ValueError("pages overlap: stride(0) is smaller than one page")
     if pages.stride(2) != 1:
         raise ValueError("each page entry must be contiguous (pages.stride(2) == 1)")
-    if fmt == "fp8" and (pages.data_ptr() % 4 or pages.stride(0) % 4):
-        raise ValueError("FP8 pages must be 4-byte aligned: their scales are stored as fp32 words")
+    if pages.data_ptr() % 4 or pages.stride(0) % 4:
+        raise ValueError("indexer pages must be 4-byte aligned: values and scales are stored as 32-bit words")
     norm = weight is not None
-    block_d = max(triton.next_power_of_2(head_dim), MXFP4_GROUP_SIZE)
-    block_t = tokens_per_program or _tokens_per_program(num_tokens, block_d)
-    grid = (triton.cdiv(num_tokens, block_t),)
-    _store_kernel[grid](
-        k, weight if norm else k, bias if norm else k, slot_mapping, pages,
-        num_tokens, pages.shape[0] * KERNEL_PAGE_SIZE, k.stride(0), k.stride(1), pages.stride(0),
-        float(eps), D=head_dim, PAGE=KERNEL_PAGE_SIZE, FORMAT=FORMAT_IDS[fmt], NORM=norm,
-        INT_CAST=_interpreted(), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
-    )
+    args = (k, weight if norm else k, bias if norm else k, slot_mapping, pages,
+            num_tokens, pages.shape[0] * KERNEL_PAGE_SIZE, k.stride(0), k.stride(1), pages.stride(0), float(eps))
+    if fmt == "fp8":
+        block_d = triton.next_power_of_2(head_dim)
+        block_t = tokens_per_program or _tokens_per_program(num_tokens, block_d)
+        _store_fp8_kernel[(triton.cdiv(num_tokens, block_t),)](
+            *args, D=head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, INTERPRET=_interpreted(),
+            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
+        return
+    pairs = k.dtype == torch.bfloat16 and k.stride(1) == 1 and k.stride(0) % 2 == 0 and k.data_ptr() % 4 == 0
+    norm_pairs = norm and all(t.dtype == torch.float32 and t.data_ptr() % 8 == 0 for t in (weight, bias))
+    block_g = triton.next_power_of_2(head_dim // MXFP4_GROUP_SIZE)
+    # Large batches: two rows a thread (32 tokens, 2 warps) was fastest at 1M tokens on the H200;
+    # small ones keep one row a thread, the shortest path through a program.
+    block_t = tokens_per_program or (32 if num_tokens >= _LARGE_BATCH else
+                                     _tokens_per_program(num_tokens, block_g * MXFP4_GROUP_SIZE))
+    _store_mxfp4_kernel[(triton.cdiv(num_tokens, block_t),)](
+        *args, D=head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, PAIRS=pairs, NORM_PAIRS=norm_pairs, INTERPRET=_interpreted(),
+        BLOCK_T=block_t, BLOCK_G=block_g, num_warps=num_warps)
 
 
 @triton.jit
