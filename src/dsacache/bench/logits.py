@@ -1,0 +1,161 @@
+"""Paged decode indexer logits (FP8 and MXFP4 keys) against the copy ceiling.
+
+Keys live in a pool whose page stride is twice a page (another layer's page sits
+between two of this layer's), and the block table is a random permutation, so the
+kernel sees the access pattern of a packed cache. Bytes moved: every cached key entry
+(values + scales) read once plus the fp32 logits written.
+
+Times are CUDA-graph replays of the public function (how decode steps run in serving
+engines); ``eager_us`` beside them adds the Python launch overhead of one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
+from dsacache.formats.indexer_key import fp8_page_views, mxfp4_page_views, quantize_fp8, quantize_mxfp4
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE, indexer_entry_bytes
+from dsacache.ops.indexer_logits import paged_decode_logits
+
+HEAD_DIM = 128
+#: Largest relative error (calc-diff) accepted against the reference, by key format.
+TOLERANCE = {"fp8": 1e-3, "mxfp4": 2e-2}
+#: Tokens quantized at a time while filling the pool (bounds the fp32 temporaries).
+FILL_CHUNK = 1 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--ctx", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--heads", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--next-n", type=int, default=1)
+    parser.add_argument("--formats", nargs="+", default=["fp8", "mxfp4"], choices=["fp8", "mxfp4"])
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time a grid of launch settings at the largest shape and print each")
+
+
+def time_graph(fn) -> float:
+    """Median ms of ``fn`` captured once in a CUDA graph and replayed (no host overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_cuda(graph.replay)
+
+
+def calc_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``1 - 2<x, y> / (<x, x> + <y, y>)`` over the finite reference entries."""
+    mask = torch.isfinite(ref)
+    x, y = out[mask].double(), ref[mask].double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+
+
+def make_pages(num_pages: int, fmt: str, device: torch.device) -> torch.Tensor:
+    """A layer's pages inside a pool of two interleaved layers, filled with random keys."""
+    entry = indexer_entry_bytes(HEAD_DIM, fmt)
+    pool = torch.zeros(num_pages, 2, KERNEL_PAGE_SIZE * entry, dtype=torch.uint8, device=device)
+    pages = pool[:, 1].view(num_pages, KERNEL_PAGE_SIZE, entry)
+    values, scales = (fp8_page_views if fmt == "fp8" else mxfp4_page_views)(pages, HEAD_DIM)
+    quantize = quantize_fp8 if fmt == "fp8" else quantize_mxfp4
+    step = max(1, FILL_CHUNK // KERNEL_PAGE_SIZE)
+    for p in range(0, num_pages, step):
+        keys = torch.randn(min(step, num_pages - p), KERNEL_PAGE_SIZE, HEAD_DIM, device=device)
+        values[p:p + step], scales[p:p + step] = quantize(keys)
+    return pages
+
+
+def make_inputs(batch: int, ctx: int, heads: int, next_n: int, pages: torch.Tensor, seed: int = 0):
+    gen = torch.Generator(device=pages.device).manual_seed(seed)
+    blocks = ctx // KERNEL_PAGE_SIZE
+    q = torch.randn(batch, next_n, heads, HEAD_DIM, device=pages.device, generator=gen).to(torch.float8_e4m3fn)
+    weights = torch.rand(batch * next_n, heads, device=pages.device, generator=gen) * heads**-0.5
+    perm = torch.randperm(pages.shape[0], device=pages.device, generator=gen)[: batch * blocks]
+    block_table = perm.view(batch, blocks).to(torch.int32)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=pages.device)
+    return q, weights, seq_lens, block_table
+
+
+def check(args_tuple, fmt: str, max_model_len: int) -> float:
+    """Run both paths once; raise CorrectnessError unless they agree."""
+    out = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="triton")
+    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="torch")
+    if not torch.equal(torch.isneginf(out), torch.isneginf(ref)) or torch.isnan(out).any():
+        raise CorrectnessError(f"{fmt} logits: -inf pattern differs from the reference (or NaN)")
+    diff = calc_diff(out, ref)
+    if diff > TOLERANCE[fmt]:
+        raise CorrectnessError(f"{fmt} logits: calc-diff {diff:.2e} > {TOLERANCE[fmt]:.0e}")
+    return diff
+
+
+def sweep_configs(fmt: str) -> list[dict]:
+    """A few launch settings around the defaults (each compiles once, about a second)."""
+    grid = [(64, 16, 4, 2), (64, 8, 4, 2), (128, 8, 4, 2)]
+    if fmt == "mxfp4":
+        grid.append((64, 16, 4, 3))
+    configs = [{"BLOCK_N": bn, "TILES": tiles, "num_warps": warps, "num_stages": stages}
+               for bn, tiles, warps, stages in grid]
+    if fmt == "mxfp4":
+        configs.append({**configs[0], "mxfp4_asm": False})
+    return configs
+
+
+def run_sweep(args_tuple, fmt: str, max_model_len: int, ceiling: float, nbytes: int) -> None:
+    from dsacache.ops.indexer_logits import triton_kernels
+
+    q, weights, seq_lens, pages, block_table = args_tuple
+    values, scales = (fp8_page_views if fmt == "fp8" else mxfp4_page_views)(pages, HEAD_DIM)
+    out = torch.empty(q.shape[0] * q.shape[1], max_model_len, dtype=torch.float32, device=q.device)
+    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="torch")
+    for cfg in sweep_configs(fmt):
+        def launch():
+            triton_kernels.launch_paged_decode(q, weights, seq_lens, values, scales, block_table, out,
+                                               fmt == "mxfp4", cfg)
+        try:
+            launch()
+            ok = calc_diff(out, ref) < TOLERANCE[fmt] and torch.equal(out.isneginf(), ref.isneginf())
+            ms = time_graph(launch)
+        except Exception as err:  # a setting that does not compile is reported, not fatal
+            print(f"sweep {fmt} H={q.shape[2]} {cfg}: failed ({type(err).__name__}: {err})"[:300])
+            continue
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        print(f"sweep {fmt} H={q.shape[2]} {cfg}: {ms * 1e3:.1f} us {gbps:.0f} GB/s {gbps / ceiling:.1%}"
+              f"{'' if ok else ' WRONG'}", flush=True)
+
+
+def run(args: argparse.Namespace) -> list[BenchRow]:
+    device = torch.device("cuda")
+    rows: list[BenchRow] = []
+    fp8_ms: dict[tuple[int, int], float] = {}
+    for fmt in args.formats:
+        entry = indexer_entry_bytes(HEAD_DIM, fmt)
+        pages = make_pages(args.batch * max(args.ctx) // KERNEL_PAGE_SIZE, fmt, device)
+        for ctx in args.ctx:
+            for heads in args.heads:
+                q, weights, seq_lens, block_table = make_inputs(args.batch, ctx, heads, args.next_n, pages)
+                inputs = (q, weights, seq_lens, pages, block_table)
+                diff = check(inputs, fmt, ctx)
+                def call():
+                    return paged_decode_logits(*inputs, max_model_len=ctx, indexer_kv_dtype=fmt)
+                ms = time_graph(call)
+                nbytes = args.batch * ctx * entry + args.batch * args.next_n * ctx * 4
+                extra = {"calc_diff": f"{diff:.1e}", "eager_us": f"{time_cuda(call) * 1e3:.1f}"}
+                if fmt == "fp8":
+                    fp8_ms[(ctx, heads)] = ms
+                elif (ctx, heads) in fp8_ms:
+                    extra["speedup_vs_fp8"] = f"{fp8_ms[(ctx, heads)] / ms:.2f}x"
+                shape = f"{fmt} B={args.batch} ctx={ctx} H={heads} next_n={args.next_n}"
+                rows.append(BenchRow("paged_decode_logits", shape, ms, nbytes, args.ceiling_gbps, extra))
+                print(rows[-1].line(), flush=True)
+                if args.sweep and ctx == max(args.ctx):
+                    run_sweep(inputs, fmt, ctx, args.ceiling_gbps, nbytes)
+        del pages
+        torch.cuda.empty_cache()
+    return rows

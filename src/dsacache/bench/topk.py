@@ -1,0 +1,93 @@
+"""Top-k positions of fp32 logits rows (and positions -> slots), with torch.topk beside.
+
+The kernel's output must equal the PyTorch reference exactly (same set, same order:
+ascending positions, ties to the lower position) before it is timed. Bytes moved: the
+logits read once plus the int32 positions written. Times are CUDA-graph replays;
+``eager_us`` adds the Python launch overhead of one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
+from dsacache.bench.logits import time_graph
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.ops.topk import positions_to_slots, topk_indices
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--len", dest="lens", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("-k", type=int, default=2048)
+    parser.add_argument("--sweep", action="store_true", help="also time a few launch settings per shape")
+
+
+SWEEP = [{"BLOCK": 2048, "num_warps": 16}, {"BLOCK": 4096, "num_warps": 16}, {"SPLITS": 1}, {"SPLITS": 2},
+         {"SPLITS": 4}]
+
+
+def run_sweep(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.Tensor) -> None:
+    from dsacache.ops.topk.triton_kernels import launch_topk
+
+    starts = torch.zeros_like(seq_lens)
+    out = torch.empty(logits.shape[0], k, dtype=torch.int32, device="cuda")
+    for cfg in SWEEP:
+        launch_topk(logits, seq_lens, starts, out, cfg)
+        ms = time_graph(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
+        print(f"sweep topk {tuple(logits.shape)} {cfg}: {ms * 1e3:.1f} us"
+              f"{'' if torch.equal(out, ref) else ' WRONG'}", flush=True)
+
+
+def make_logits(rows: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(rows, length, device="cuda", generator=gen)
+    seq_lens = torch.full((rows,), length, dtype=torch.int32, device="cuda")
+    return logits, seq_lens
+
+
+def check(logits: torch.Tensor, seq_lens: torch.Tensor, k: int) -> None:
+    out = topk_indices(logits, seq_lens, k, impl="triton")
+    ref = topk_indices(logits, seq_lens, k, impl="torch")
+    if not torch.equal(out, ref):
+        bad = int((out != ref).any(dim=1).sum())
+        raise CorrectnessError(f"top-k differs from the reference in {bad} of {out.shape[0]} rows")
+    again = topk_indices(logits, seq_lens, k, impl="triton")
+    if not torch.equal(out, again):
+        raise CorrectnessError("top-k is not deterministic across two runs")
+
+
+def check_slots(positions: torch.Tensor, block_table: torch.Tensor) -> None:
+    out = positions_to_slots(positions, block_table, impl="triton")
+    ref = positions_to_slots(positions, block_table, impl="torch")
+    if not torch.equal(out, ref):
+        raise CorrectnessError("positions_to_slots differs from the reference")
+
+
+def run(args: argparse.Namespace) -> list[BenchRow]:
+    rows: list[BenchRow] = []
+    for batch in args.batch:
+        for length in args.lens:
+            logits, seq_lens = make_logits(batch, length)
+            check(logits, seq_lens, args.k)
+            ms = time_graph(lambda: topk_indices(logits, seq_lens, args.k))
+            eager_ms = time_cuda(lambda: topk_indices(logits, seq_lens, args.k))
+            torch_ms = time_graph(lambda: torch.topk(logits, args.k, dim=1))
+            nbytes = batch * length * 4 + batch * args.k * 4
+            shape = f"B={batch} L={length} k={args.k}"
+            rows.append(BenchRow("topk_indices", shape, ms, nbytes, args.ceiling_gbps,
+                                 {"eager_us": f"{eager_ms * 1e3:.1f}", "torch.topk_us": f"{torch_ms * 1e3:.1f}"}))
+            print(rows[-1].line(), flush=True)
+
+            positions = topk_indices(logits, seq_lens, args.k)
+            if args.sweep:
+                run_sweep(logits, seq_lens, args.k, positions)
+            blocks = length // KERNEL_PAGE_SIZE
+            table = torch.randperm(batch * blocks, device="cuda").view(batch, blocks).to(torch.int32)
+            check_slots(positions, table)
+            ms = time_graph(lambda: positions_to_slots(positions, table))
+            rows.append(BenchRow("positions_to_slots", shape, ms, 2 * positions.numel() * 4, args.ceiling_gbps))
+            print(rows[-1].line(), flush=True)
+    return rows

@@ -1,0 +1,279 @@
+"""Indexer logits: Triton (interpreter on CPU, compiled on CUDA) against the PyTorch reference,
+the reference against closed-form values, and the masking rules of ``paged_decode_logits``."""
+
+import pytest
+import torch
+
+from dsacache.formats.indexer_key import fp8_page_views, mxfp4_page_views, quantize_fp8, quantize_mxfp4
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE, indexer_entry_bytes
+from dsacache.ops.indexer_logits import (
+    paged_decode_logits,
+    per_row_context_lens,
+    prefill_row_chunks,
+    ragged_prefill_logits,
+)
+from tests.helpers import calc_diff, triton_available
+
+D = 128
+SENTINEL = 0xA5
+#: calc-diff bounds the issue sets for logits against the reference, by key format.
+TOLERANCE = {"fp8": 1e-3, "mxfp4": 2e-2}
+#: What the kernels actually reach on the same quantized keys (only the fp32 summation
+#: order differs, and no MXFP4 group is dropped for Gaussian keys); far below TOLERANCE,
+#: so a wrong code in one e2m1 magnitude still fails.
+STRICT = 1e-6
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="no triton"))]
+
+
+def quantize(fmt, keys):
+    return (quantize_fp8 if fmt == "fp8" else quantize_mxfp4)(keys)
+
+
+def views(fmt, pages):
+    return (fp8_page_views if fmt == "fp8" else mxfp4_page_views)(pages, D)
+
+
+def make_pool(fmt, num_pages, device=DEVICE, keys=None):
+    """(pool, pages): the layer's pages sit at the second of three page slots per pool row,
+    every other byte is SENTINEL; the pages hold quantized ``keys`` (random by default)."""
+    entry = indexer_entry_bytes(D, fmt)
+    pool = torch.full((num_pages, 3, KERNEL_PAGE_SIZE * entry), SENTINEL, dtype=torch.uint8, device=device)
+    pages = pool[:, 1].view(num_pages, KERNEL_PAGE_SIZE, entry)
+    if keys is None:
+        keys = torch.randn(num_pages, KERNEL_PAGE_SIZE, D, device=device)
+    values, scales = views(fmt, pages)
+    values[:], scales[:] = quantize(fmt, keys)
+    return pool, pages
+
+
+def random_queries(batch, next_n, heads, device=DEVICE):
+    q = torch.randn(batch, next_n, heads, D, device=device).to(torch.float8_e4m3fn)
+    return q, torch.rand(batch * next_n, heads, device=device) * heads**-0.5
+
+
+def decode(impl, q, w, lens, pages, table, max_model_len, fmt):
+    """Run into a NaN-prefilled output so unwritten elements show."""
+    out = torch.full((q.shape[0] * q.shape[1], max_model_len), float("nan"), device=q.device)
+    result = paged_decode_logits(q, w, lens, pages, table, max_model_len, fmt, out=out, impl=impl)
+    assert result.data_ptr() == out.data_ptr()
+    assert not torch.isnan(out).any(), "unwritten (NaN) logits"
+    return out
+
+
+def assert_close_to_reference(out, ref, fmt):
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), "-inf pattern differs"
+    assert calc_diff(out, ref) < min(STRICT, TOLERANCE[fmt])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("next_n,heads", [(1, 16), (3, 16), (2, 32)])
+def test_decode_triton_matches_reference(fmt, next_n, heads):
+    pytest.importorskip("triton")
+    batch, num_pages, max_model_len = 3, 14, 330
+    pool, pages = make_pool(fmt, num_pages)
+    before = pool.clone()
+    q, w = random_queries(batch, next_n, heads)
+    table = torch.randperm(num_pages, device=DEVICE)[:12].view(batch, 4).to(torch.int32)
+    seq_lens = torch.tensor([130, 256, 1], dtype=torch.int32, device=DEVICE)
+    lens = per_row_context_lens(seq_lens, next_n)
+    out = decode("triton", q, w, lens, pages, table, max_model_len, fmt)
+    ref = decode("torch", q, w, lens, pages, table, max_model_len, fmt)
+    assert_close_to_reference(out, ref, fmt)
+    assert torch.equal(pool, before), "the read path wrote into the pool"
+
+
+def closed_form_keys(num_pages):
+    """Key value at (page, row, d): 2**(((page * 64 + row) + d // 32) % 8 - 4), exact in both formats."""
+    token = torch.arange(num_pages * KERNEL_PAGE_SIZE).view(num_pages, KERNEL_PAGE_SIZE, 1)
+    group = torch.arange(D).view(1, 1, D) // 32
+    return torch.ldexp(torch.ones(()), ((token + group) % 8 - 4).float())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_exact_closed_form(fmt, impl):
+    """Power-of-two keys, queries of +-1, a scrambled block table and a length of 130."""
+    heads, num_pages, length = 16, 9, 130
+    _, pages = make_pool(fmt, num_pages, keys=closed_form_keys(num_pages).to(DEVICE))
+    table = torch.tensor([[7, 2, 5, 0]], dtype=torch.int32, device=DEVICE)
+    q = torch.ones(1, 1, heads, D, device=DEVICE)
+    q[:, :, 1::2] = -1.0  # negative dot products: relu drops these heads
+    q = q.to(torch.float8_e4m3fn)
+    w = torch.full((1, heads), 1.0 / heads, device=DEVICE)
+    lens = torch.tensor([[length]], dtype=torch.int32, device=DEVICE)
+    out = decode(impl, q, w, lens, pages, table, 256, fmt).cpu()
+
+    pos = torch.arange(length)
+    page = torch.tensor([7, 2, 5])[pos // KERNEL_PAGE_SIZE]
+    token = (page * KERNEL_PAGE_SIZE + pos % KERNEL_PAGE_SIZE)[:, None]
+    dot = sum(32 * torch.ldexp(torch.ones(()), ((token + g) % 8 - 4).float()) for g in range(4))
+    expected = dot.squeeze(1) * (heads // 2) / heads
+    assert torch.equal(out[0, :length], expected)
+    assert torch.isneginf(out[0, length:]).all()
+
+
+def test_mxfp4_group_far_below_its_token_is_dropped():
+    """The Triton path drops a group more than 2**11 below its token's largest group
+    (documented in triton_kernels.py); otherwise it matches the reference."""
+    pytest.importorskip("triton")
+    keys = torch.randn(2, KERNEL_PAGE_SIZE, D, device=DEVICE)
+    keys[..., 96:] *= 2.0**-16
+    _, pages = make_pool("mxfp4", 2, keys=keys)
+    _, without = make_pool("mxfp4", 2, keys=torch.cat([keys[..., :96], torch.zeros_like(keys[..., 96:])], -1))
+    q, w = random_queries(1, 1, 16)
+    table = torch.tensor([[1, 0]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([[128]], dtype=torch.int32, device=DEVICE)
+    out = decode("triton", q, w, lens, pages, table, 128, "mxfp4")
+    assert calc_diff(out, decode("torch", q, w, lens, without, table, 128, "mxfp4")) < STRICT
+    assert calc_diff(out, decode("torch", q, w, lens, pages, table, 128, "mxfp4")) < TOLERANCE["mxfp4"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_rows_masked_at_their_own_length(impl):
+    next_n, heads = 3, 16
+    _, pages = make_pool("fp8", 6)
+    q, w = random_queries(2, next_n, heads)
+    table = torch.tensor([[3, 1, 4], [0, 5, 2]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([[130, 5, 64], [0, 192, 191]], dtype=torch.int32, device=DEVICE)
+    out = decode(impl, q, w, lens, pages, table, 200, "fp8")
+    for row, length in enumerate(lens.flatten().tolist()):
+        assert torch.isfinite(out[row, :length]).all(), row
+        assert torch.isneginf(out[row, length:]).all(), row
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_per_request_lengths_expand_to_rows(impl):
+    seq_lens = torch.tensor([10, 1, 0], dtype=torch.int32, device=DEVICE)
+    expected = torch.tensor([[8, 9, 10], [0, 0, 1], [0, 0, 0]], dtype=torch.int32, device=DEVICE)
+    assert torch.equal(per_row_context_lens(seq_lens, 3), expected)
+    _, pages = make_pool("fp8", 2)
+    q, w = random_queries(3, 3, 16)
+    table = torch.tensor([[0], [1], [0]], dtype=torch.int32, device=DEVICE)
+    by_request = decode(impl, q, w, seq_lens, pages, table, 16, "fp8")
+    by_row = decode(impl, q, w, expected, pages, table, 16, "fp8")
+    assert torch.equal(by_request, by_row)
+    assert torch.equal(torch.isfinite(by_row[:, :12]).sum(dim=1).cpu(), expected.flatten().cpu())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_unreadable_pages_are_neg_inf(impl):
+    """Entries -1 or >= num_pages, and blocks past the table, give -inf and never fault."""
+    num_pages, heads = 4, 16
+    _, pages = make_pool("fp8", num_pages)
+    q, w = random_queries(2, 1, heads)
+    table = torch.tensor([[2, -1, 1_000_000], [1, 3, 0]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([[192], [250]], dtype=torch.int32, device=DEVICE)
+    out = decode(impl, q, w, lens, pages, table, 300, "fp8")
+    assert torch.isfinite(out[0, :64]).all()
+    assert torch.isneginf(out[0, 64:]).all()
+    assert torch.isfinite(out[1, :192]).all(), "row 1 reads 3 pages"
+    assert torch.isneginf(out[1, 192:]).all(), "blocks past the 3-entry table are unreadable"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_lengths_clamped(impl):
+    _, pages = make_pool("fp8", 3)
+    q, w = random_queries(2, 1, 16)
+    table = torch.tensor([[0, 1, 2], [2, 1, 0]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([[-5], [10_000]], dtype=torch.int32, device=DEVICE)
+    out = decode(impl, q, w, lens, pages, table, 100, "fp8")
+    assert torch.isneginf(out[0]).all()
+    assert torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_prefill_triton_matches_reference(fmt):
+    pytest.importorskip("triton")
+    num_keys, rows, heads = 333, 9, 16
+    values, scales = quantize(fmt, torch.randn(num_keys, D, device=DEVICE))
+    q = torch.randn(rows, heads, D, device=DEVICE).to(torch.float8_e4m3fn)
+    w = torch.rand(rows, heads, device=DEVICE)
+    ks = torch.tensor([0, 0, 5, 70, 100, 332, 50, 300, 0], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([1, 333, 150, 70, 333, 333, 60, 900, 0], dtype=torch.int32, device=DEVICE)
+    results = []
+    for impl in ("triton", "torch"):
+        out = torch.full((rows, num_keys), float("nan"), device=DEVICE)
+        ragged_prefill_logits(q, w, values, scales, ks, ke, out=out, impl=impl)
+        assert not torch.isnan(out).any()
+        results.append(out)
+    assert_close_to_reference(*results, fmt)
+    cols = torch.arange(num_keys, device=DEVICE)
+    inside = (cols >= ks[:, None]) & (cols < ke[:, None])
+    assert torch.equal(torch.isfinite(results[0]), inside)
+
+
+def test_prefill_reference_is_decode_math():
+    """The same keys scored through pages (decode) and contiguously (prefill) agree."""
+    _, pages = make_pool("fp8", 2, device="cpu")
+    values, scales = fp8_page_views(pages, D)
+    q, w = random_queries(1, 1, 16, device="cpu")
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    decoded = paged_decode_logits(q, w, torch.tensor([[128]], dtype=torch.int32), pages, table, 128, impl="torch")
+    ks, ke = torch.tensor([0], dtype=torch.int32), torch.tensor([128], dtype=torch.int32)
+    prefilled = ragged_prefill_logits(q[0], w, values.reshape(-1, D), scales.reshape(-1), ks, ke, impl="torch")
+    assert torch.equal(decoded, prefilled)
+
+
+def test_prefill_row_chunks():
+    assert prefill_row_chunks(10, 100, 4 * 100 * 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert prefill_row_chunks(2, 10**9, 16) == [(0, 1), (1, 2)]
+    assert prefill_row_chunks(0, 5, 64) == []
+
+
+def test_validation_names_the_argument():
+    _, pages = make_pool("fp8", 2, device="cpu")
+    q, w = random_queries(1, 1, 16, device="cpu")
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([[10]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be"):
+        paged_decode_logits(q.float(), w, lens, pages, table, 64)
+    with pytest.raises(ValueError, match="weights"):
+        paged_decode_logits(q, w[:, :8], lens, pages, table, 64)
+    with pytest.raises(ValueError, match="block_table"):
+        paged_decode_logits(q, w, lens, pages, table.long(), 64)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_decode_logits(q, w, lens.view(1, 1, 1), pages, table, 64)
+    with pytest.raises(ValueError, match="mxfp4"):
+        paged_decode_logits(q, w, lens, pages, table, 64, indexer_kv_dtype="mxfp4")
+    with pytest.raises(ValueError, match="impl"):
+        paged_decode_logits(q, w, lens, pages, table, 64, impl="cuda")
+    with pytest.raises(ValueError, match="out must be"):
+        paged_decode_logits(q, w, lens, pages, table, 64, out=torch.empty(1, 63))
+    with pytest.raises(ValueError, match="k_values"):
+        ragged_prefill_logits(q[0], w, torch.zeros(4, D), torch.ones(4), lens[0], lens[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("next_n", [1, 2, 4])
+def test_decode_gpu_shapes(fmt, heads, next_n):
+    batch, num_pages, max_model_len = 8, 700, 40_000
+    pool, pages = make_pool(fmt, num_pages, device="cuda")
+    before = pool.clone()
+    q, w = random_queries(batch, next_n, heads, device="cuda")
+    table = torch.randint(0, num_pages, (batch, 640), dtype=torch.int32, device="cuda")
+    table[1, 5] = -1
+    table[2, 7] = num_pages
+    seq_lens = torch.tensor([1, 63, 64, 65, 4097, 20_000, 40_000, 39_999], dtype=torch.int32, device="cuda")
+    lens = per_row_context_lens(seq_lens, next_n)
+    out = decode("triton", q, w, lens, pages, table, max_model_len, fmt)
+    ref = decode("torch", q, w, lens, pages, table, max_model_len, fmt)
+    assert_close_to_reference(out, ref, fmt)
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_prefill_gpu_shapes(fmt, heads):
+    num_keys, rows = 5000, 300
+    values, scales = quantize(fmt, torch.randn(num_keys, D, device="cuda"))
+    q = torch.randn(rows, heads, D, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.rand(rows, heads, device="cuda")
+    ke = torch.randint(0, num_keys + 1, (rows,), dtype=torch.int32, device="cuda")
+    ks = (ke - torch.randint(0, 3000, (rows,), device="cuda")).clamp_min(0).to(torch.int32)
+    out = ragged_prefill_logits(q, w, values, scales, ks, ke, impl="triton")
+    ref = ragged_prefill_logits(q, w, values, scales, ks, ke, impl="torch")
+    assert_close_to_reference(out, ref, fmt)
