@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from dsacache.config.model import ConfigError
 from dsacache.config.serving import CacheConfig

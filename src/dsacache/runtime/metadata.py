@@ -24,7 +24,8 @@ import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.runtime.dcp import check_dcp
-from dsacache.runtime.slot_mapping import use_triton, compute_slot_mapping
+from dsacache.ops.dispatch import use_triton
+from dsacache.runtime.slot_mapping import compute_slot_mapping
 
 LOGIT_BYTES = 4  # fp32
 
@@ -34,7 +35,7 @@ def decode_context_lens(
     next_n: int,
     out: torch.Tensor | None = None,
     *,
-    impl: str | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """int32 ``[B, next_n]``: how many keys each decode query row sees.
 
@@ -42,7 +43,7 @@ def decode_context_lens(
         seq_lens: int32 ``[B]`` tokens of each request after this step (>= ``next_n``).
         next_n: query tokens per decode request (1 + speculative tokens).
         out: int32 ``[B, next_n]`` contiguous buffer (allocated when omitted).
-        impl: ``"torch"``, ``"triton"`` or None (Triton on CUDA tensors).
+        impl: ``"auto"`` (Triton on CUDA tensors, PyTorch otherwise), ``"triton"`` or ``"torch"``.
 
     >>> decode_context_lens(torch.tensor([10, 3], dtype=torch.int32), 2, impl="torch").tolist()
     [[9, 10], [2, 3]]
@@ -251,7 +252,7 @@ def build_indexer_metadata(
     dcp_rank: int = 0,
     dcp_interleave: int = 1,
     pcp_world_size: int = 1,
-    impl: str | None = None,
+    impl: str = "auto",
 ) -> IndexerStepMetadata:
     """Build one step's indexer metadata from the scheduler's host lengths and the block table.
 

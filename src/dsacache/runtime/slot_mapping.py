@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.ops.dispatch import use_triton
 from dsacache.runtime.dcp import check_dcp
 
-IMPLS = (None, "torch", "triton")
 
 
 def compute_slot_mapping(
@@ -31,7 +31,7 @@ def compute_slot_mapping(
     dcp_world_size: int = 1,
     dcp_rank: int = 0,
     dcp_interleave: int = 1,
-    impl: str | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Fill ``out`` with the int64 slot of every scheduled token, ``-1`` elsewhere.
 
@@ -47,7 +47,7 @@ def compute_slot_mapping(
             small pages read as written).
         num_kernel_pages: pages in the pool; a slot at or past it is out of the pool.
         dcp_world_size, dcp_rank, dcp_interleave: decode context parallelism.
-        impl: ``"torch"``, ``"triton"``, or None (Triton on CUDA tensors, torch otherwise).
+        impl: ``"auto"`` (Triton on CUDA tensors, PyTorch otherwise), ``"triton"`` or ``"torch"``.
 
     Returns ``out``.
 
@@ -74,12 +74,6 @@ def compute_slot_mapping(
 
         return launch_slot_mapping(*args)
     return slot_mapping_torch(*args)
-
-
-def use_triton(impl: str | None, tensor: torch.Tensor) -> bool:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}; allowed: 'torch', 'triton' or None (pick by device)")
-    return impl == "triton" or (impl is None and tensor.is_cuda)
 
 
 def _check_inputs(block_table, query_start_loc, positions, page_size) -> None:

@@ -13,9 +13,9 @@ import torch
 
 from dsacache.formats.indexer_key import check_indexer_pages
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE, MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
+from dsacache.ops.dispatch import use_triton
 from dsacache.ops.indexer_k_cache import naive
 
-IMPLS = ("auto", "triton", "torch")
 KEY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -23,22 +23,6 @@ MXFP4_RULE = (
     "indexer_kv_dtype='mxfp4' is written only by the fused LayerNorm insert "
     "(fused_norm_store_indexer_keys; packing.md, 'Indexer key format choice')"
 )
-
-
-def _use_triton(impl: str, *tensors: torch.Tensor) -> bool:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}; allowed: {', '.join(IMPLS)}")
-    if impl == "torch":
-        return False
-    if impl == "auto" and not all(t.is_cuda for t in tensors):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if impl == "triton":
-            raise
-        return False
-    return True
 
 
 def _check_same_device(**tensors: torch.Tensor) -> None:
@@ -129,7 +113,7 @@ def store_indexer_keys(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch
     _check_pages(pages, head_dim, fmt)
     _check_same_device(k=k, pages=pages, slot_mapping=slot_mapping)
     _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
-    if _use_triton(impl, k, pages, slot_mapping):
+    if use_triton(impl, k, pages, slot_mapping):
         from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
 
         launch_store(k, pages, slot_mapping, fmt)
@@ -175,7 +159,7 @@ def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: t
     _check_pages(pages, head_dim, fmt)
     _check_same_device(k=k, weight=weight, bias=bias, pages=pages, slot_mapping=slot_mapping)
     _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
-    if _use_triton(impl, k, pages, slot_mapping):
+    if use_triton(impl, k, pages, slot_mapping):
         from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
 
         launch_store(k, pages, slot_mapping, fmt, weight.contiguous(), bias.contiguous(), eps)
@@ -235,7 +219,7 @@ def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqle
         num_tokens = int(cu_seqlens[-1])
     if num_tokens < 0:
         raise ValueError(f"num_tokens={num_tokens} must be >= 0")
-    if not _use_triton(impl, pages, block_table, cu_seqlens):
+    if not use_triton(impl, pages, block_table, cu_seqlens):
         return naive.gather_indexer_keys(pages, block_table, cu_seqlens, fmt, head_dim, num_tokens)
     from dsacache.ops.indexer_k_cache.triton_kernels import launch_gather
 
@@ -279,7 +263,7 @@ def dequantize_indexer_keys(values: torch.Tensor, scales: torch.Tensor, indexer_
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
     head_dim = _check_quantized(values, scales, fmt)
     _check_same_device(values=values, scales=scales)
-    if not _use_triton(impl, values, scales):
+    if not use_triton(impl, values, scales):
         return naive.dequantize_indexer_keys(values, scales, fmt)
     from dsacache.ops.indexer_k_cache.triton_kernels import launch_dequantize
 

@@ -11,19 +11,8 @@ import torch
 
 from dsacache.formats.indexer_key import check_indexer_pages, fp8_page_views, mxfp4_page_views
 from dsacache.formats.sizes import MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
+from dsacache.ops.dispatch import use_triton
 from dsacache.ops.indexer_logits import naive
-
-IMPLS = ("auto", "torch", "triton")
-
-
-def use_triton(impl: str, device: torch.device) -> bool:
-    """``impl="auto"`` picks Triton on CUDA and PyTorch elsewhere; "torch"/"triton" force one."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}; allowed: {', '.join(IMPLS)}")
-    if impl == "auto":
-        return device.type == "cuda"
-    return impl == "triton"
-
 
 def per_row_context_lens(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
     """Per-request context lengths ``[B]`` -> per-row lengths ``[B, next_n]`` int32.
@@ -151,7 +140,7 @@ def paged_decode_logits(
         raise ValueError(f"max_model_len={max_model_len} must be >= 1")
     context_lens = _check_context_lens(context_lens, batch, next_n)
     out = _check_out(out, (batch * next_n, max_model_len), q.device)
-    if not use_triton(impl, q.device):
+    if not use_triton(impl, q):
         row_lens = context_lens if context_lens.dim() == 2 else per_row_context_lens(context_lens, next_n)
         row_lens = row_lens.clamp(0, max_model_len)
         return out.copy_(naive.paged_decode_logits(q, weights, row_lens, pages, block_table, max_model_len, fmt))
@@ -242,7 +231,7 @@ def ragged_prefill_logits(
     ks = ks.to(torch.int32).clamp(0, num_keys)
     ke = ke.to(torch.int32).clamp(0, num_keys)
     out = _check_out(out, (num_rows, num_keys), q.device)
-    if not use_triton(impl, q.device):
+    if not use_triton(impl, q):
         return out.copy_(naive.ragged_prefill_logits(q, weights, k_values, k_scales, ks, ke))
 
     from dsacache.ops.indexer_logits.triton_kernels import launch_ragged_prefill

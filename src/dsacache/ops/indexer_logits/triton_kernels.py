@@ -27,16 +27,14 @@ tiles first, then ``-inf`` for the tiles past the longest row, so no separate fi
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.ops.triton_utils import INTERPRET, loop_bound
 
-#: True when kernels run under the Triton interpreter (CPU tests).
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 #: The inline-PTX MXFP4 decode needs a compiled NVIDIA kernel.
 PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
 
@@ -45,19 +43,6 @@ DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 16, "num_warps": 4, "num_stages": 2, "m
 #: Launch settings for the ragged prefill kernel (ROWS query rows a program).
 PREFILL_CONFIG = {"BLOCK_N": 64, "TILES": 8, "ROWS": 4, "num_warps": 4, "num_stages": 3,
                   "mxfp4_asm": PTX_AVAILABLE}
-
-
-@triton.jit
-def loop_bound(n):
-    """A runtime loop bound that range() accepts in both modes.
-
-    The interpreter keeps every scalar as a 1-element array, which NumPy >= 2 refuses to
-    turn into an index; there the copy gets a 0-d array. Compiled kernels never see that branch.
-    """
-    n = n + 0
-    if INTERPRET:
-        n.handle.data = n.handle.data.reshape(())
-    return n
 
 
 @triton.jit

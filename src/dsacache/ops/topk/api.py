@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
-from dsacache.ops.indexer_logits.api import use_triton
+from dsacache.ops.dispatch import use_triton
 from dsacache.ops.topk import naive
 
 #: Default number of positions kept per row (``index_topk`` of DeepSeek V3.2 and Kimi-K3.1).
@@ -75,7 +75,7 @@ def topk_indices(
         out = torch.empty(num_rows, k, dtype=torch.int32, device=logits.device)
     elif out.dtype != torch.int32 or tuple(out.shape) != (num_rows, k) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous int32 [{num_rows}, {k}] tensor, got {tuple(out.shape)} {out.dtype}")
-    if not use_triton(impl, logits.device):
+    if not use_triton(impl, logits):
         return out.copy_(naive.topk_positions(logits, lens, starts, k))
 
     from dsacache.ops.topk.triton_kernels import launch_topk
@@ -125,7 +125,7 @@ def positions_to_slots(
         raise ValueError(f"block_table must be int32 [{positions.shape[0] // next_n}, max_blocks], "
                          f"got {tuple(block_table.shape)} {block_table.dtype}")
     limit = 2**31 // KERNEL_PAGE_SIZE if num_pages is None else num_pages
-    if not use_triton(impl, positions.device):
+    if not use_triton(impl, positions):
         return naive.positions_to_slots(positions, block_table, next_n, limit)
 
     from dsacache.ops.topk.triton_kernels import launch_positions_to_slots

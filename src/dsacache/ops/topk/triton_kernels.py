@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsacache.ops.indexer_logits.triton_kernels import loop_bound
+from dsacache.ops.triton_utils import loop_bound
 
 #: Launch settings: BLOCK logits a step, SAMPLES sorted for the cut-off. CAP (candidate
 #: buffer length, default CANDIDATES_PER_K * k) and SPLITS (programs a row's candidate

@@ -1,0 +1,31 @@
+"""Which implementation runs: the Triton kernel or the PyTorch reference.
+
+One rule for every public function of ``dsacache.ops`` and ``dsacache.runtime``:
+``impl="auto"`` runs Triton when every tensor is on CUDA and PyTorch otherwise;
+``"triton"`` forces the kernel (on CPU tensors it needs ``TRITON_INTERPRET=1``);
+``"torch"`` forces the reference. Nothing falls back silently: a forced choice that
+cannot run raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IMPLS = ("auto", "triton", "torch")
+
+
+def use_triton(impl: str, *tensors: torch.Tensor) -> bool:
+    """True when the Triton path should run for ``tensors`` under ``impl``."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}; allowed: {', '.join(IMPLS)}")
+    if impl == "torch":
+        return False
+    if impl == "auto" and not all(t.is_cuda for t in tensors):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if impl == "triton":
+            raise
+        return False
+    return True

@@ -1,0 +1,24 @@
+"""Small pieces every Triton kernel module shares (importing this module needs triton)."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+#: True when kernels run under the Triton interpreter (CPU tests, ``TRITON_INTERPRET=1``).
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def loop_bound(n):
+    """A runtime loop bound that ``range()`` accepts both compiled and interpreted.
+
+    The interpreter keeps every scalar as a 1-element array, which NumPy >= 2 refuses to
+    turn into an index; there the copy gets a 0-d array. Compiled kernels never see that branch.
+    """
+    n = n + 0
+    if INTERPRET:
+        n.handle.data = n.handle.data.reshape(())
+    return n
