@@ -9,6 +9,7 @@ from dsacache.runtime import (
     RowAllocator,
     build_indexer_metadata,
     compute_slot_mapping,
+    dcp_local_len,
     decode_context_lens,
     plan_prefill_chunks,
 )
@@ -129,3 +130,28 @@ def test_decodes_must_come_first():
         build_indexer_metadata(torch.zeros(2, 4, dtype=torch.int32), [5, 1], [5, 9],
                                torch.empty(8, dtype=torch.int64), num_decodes=1, workspace_tokens=64,
                                logits_bytes=1 << 10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("world, interleave", [(2, 1), (4, 1), (2, 16), (4, 64)])
+def test_dcp_decode_lengths_count_each_ranks_share(impl, world, interleave):
+    """Under DCP every rank sees its own share of each row; the shares add up to the row."""
+    seq_lens = [200, 63, 3, 4097]
+    next_n = 2
+    global_lens = decode_context_lens(torch.tensor(seq_lens, dtype=torch.int32), next_n, impl="torch")
+    shares = []
+    for rank in range(world):
+        meta = build_indexer_metadata(
+            torch.zeros(len(seq_lens), 80, dtype=torch.int32), [next_n] * len(seq_lens), seq_lens,
+            torch.empty(64, dtype=torch.int64), next_n=next_n, num_decodes=len(seq_lens), workspace_tokens=64,
+            logits_bytes=1 << 20, dcp_world_size=world, dcp_rank=rank, dcp_interleave=interleave, impl=impl)
+        expected = [[dcp_local_len(n, world, rank, interleave) for n in row] for row in global_lens.tolist()]
+        assert meta.decode_context_lens.tolist() == expected
+        shares.append(meta.decode_context_lens)
+    assert torch.equal(torch.stack(shares).sum(0), global_lens)
+
+
+def test_dcp_with_prefills_is_refused():
+    with pytest.raises(NotImplementedError, match="decode context parallelism"):
+        build_indexer_metadata(torch.zeros(2, 4, dtype=torch.int32), [1, 5], [9, 5], torch.empty(8, dtype=torch.int64),
+                               workspace_tokens=64, logits_bytes=1 << 10, dcp_world_size=2, dcp_rank=0)

@@ -173,8 +173,8 @@ class TestBadInput:
         pool = fresh_pool(tiny_layout())
         with pytest.raises(ValueError, match="not a DSA layer"):
             pool.mla_pages(1)
+        pool.allocator.add("a", num_tokens=1)
         with pytest.raises(ValueError, match="not a KDA layer"):
-            pool.allocator.add("a", num_tokens=1)
             pool.state_tensors("a", 4)
         with pytest.raises(ValueError, match="draft layer 5"):
             pool.draft_pages(5)
@@ -189,3 +189,11 @@ class TestBadInput:
     def test_row_outside_the_pool(self):
         with pytest.raises(ValueError, match="outside the pool"):
             fresh_pool(tiny_layout(num_rows=2)).row(2)
+
+
+def test_paged_kda_model_has_no_state_views():
+    """Kimi-Linear's paged layout keeps no KDA states in the pool: asking for one says so."""
+    pool = CachePool(plan(CacheConfig.from_model("kimi-linear-48b"), num_rows=4))
+    pool.allocator.add("a", num_tokens=10)
+    with pytest.raises(NotImplementedError, match="only the packed layout"):
+        pool.state_tensors("a", 1)

@@ -75,3 +75,12 @@ def test_bad_workload():
         Workload(arrival_rate=0)
     with pytest.raises(ValueError, match="shared_prefix_fraction"):
         Workload(shared_prefix_fraction=1.5)
+
+
+def test_paged_kda_model_counts_no_state_bytes_in_the_pool():
+    """Kimi-Linear (KDA, no indexer) has a paged layout: its states are not in the pool."""
+    layout = plan(CacheConfig.from_model("kimi-linear-48b", tensor_parallel_size=8), num_rows=4000)
+    report = run_simulation(layout, None, Workload(num_requests=30, output_len_median=20), progress=False)
+    (result,) = report.results
+    assert 0 < result.utilisation <= 1
+    assert result.state_row_utilisation == 0

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from dsacache.bench.harness import copy_ceiling_gbps, machine_header, print_report, require_cuda
+from dsacache.bench.harness import NoDeviceError, copy_ceiling_gbps, machine_header, print_report, require_cuda
 
 #: suite name -> module under dsacache.bench
 SUITES = {
@@ -21,6 +21,7 @@ SUITES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One subcommand per suite."""
     parser = argparse.ArgumentParser(prog="dsacache bench", description=__doc__)
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     sub = parser.add_subparsers(dest="suite", required=True)
@@ -31,8 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one suite: machine header, copy ceiling, then its rows."""
     args = build_parser().parse_args(argv)
-    require_cuda()
+    try:
+        require_cuda()
+    except NoDeviceError as exc:
+        print(f"dsacache bench: error: {exc}", file=sys.stderr)
+        return 2
     header = machine_header()
     ceiling = copy_ceiling_gbps()
     args.ceiling_gbps = ceiling

@@ -21,9 +21,14 @@ class CorrectnessError(RuntimeError):
     """Raised instead of timing an op whose output disagrees with its reference."""
 
 
+class NoDeviceError(RuntimeError):
+    """Raised when a benchmark is asked for on a machine without a CUDA device."""
+
+
 def require_cuda() -> torch.device:
+    """The CUDA device, or :class:`NoDeviceError`."""
     if not torch.cuda.is_available():
-        raise RuntimeError("benchmarks need a CUDA device; none is visible to torch")
+        raise NoDeviceError("benchmarks need a CUDA device; none is visible to torch")
     return torch.device("cuda")
 
 
@@ -84,6 +89,7 @@ class BenchRow:
 
     @property
     def gbps(self) -> float:
+        """Achieved bandwidth: bytes moved over the median time."""
         return self.bytes_moved / (self.ms * 1e-3) / 1e9
 
     @property
@@ -92,12 +98,14 @@ class BenchRow:
         return self.bytes_moved / (self.ceiling_gbps * 1e9) * 1e3
 
     def as_dict(self) -> dict:
+        """The row with GB/s, ratio to the ceiling and floor added."""
         out = asdict(self)
         out.update(gbps=round(self.gbps, 1), ratio=round(self.gbps / self.ceiling_gbps, 3),
                    floor_ms=round(self.floor_ms, 4))
         return out
 
     def line(self) -> str:
+        """One printed line of the report."""
         ratio = self.gbps / self.ceiling_gbps
         extra = " ".join(f"{k}={v}" for k, v in self.extra.items())
         return (f"{self.op:<28} {self.shape:<34} {self.ms * 1e3:>10.1f} us {self.gbps:>8.0f} GB/s "

@@ -46,6 +46,7 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_tp_list(text: str) -> list[int]:
+    """``"8"`` or ``"1,2,4,8"`` -> a list of TP sizes."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -119,6 +120,7 @@ def configs_from_args(args: argparse.Namespace) -> list[CacheConfig]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """``dsacache plan``: the report, the TP table or JSON, and the optional plot."""
     from dsacache.planner import plan
     from dsacache.planner.report import exchange_table, render_text, render_tp_table, summarize
 
@@ -140,12 +142,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    """``dsacache simulate``."""
     from dsacache.cli.simulate import run
 
     return run(args, configs_from_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dsacache`` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="dsacache", description="The packed DSA cache for hybrid sparse-attention LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan the packed cache of a model and report capacity and waste")
@@ -168,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point: run a subcommand; a bad setting exits 2 with one error line."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

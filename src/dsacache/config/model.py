@@ -132,6 +132,11 @@ def _parse_layer_split(cfg: Mapping[str, Any], num_layers: int, where: str):
         raise ConfigError(f"{where}: 'linear_attn_config' must be a JSON object")
     kda_layers = _layer_list(lin, "kda_layers", where, num_layers)
     full_layers = _layer_list(lin, "full_attn_layers", where, num_layers)
+    if not full_layers:
+        raise ConfigError(
+            f"{where}: 'linear_attn_config.full_attn_layers' is empty: a model without attention layers "
+            "has no KV cache to plan"
+        )
     overlap = sorted(set(kda_layers) & set(full_layers))
     if overlap:
         raise ConfigError(f"{where}: layers {overlap} are in both 'kda_layers' and 'full_attn_layers'")

@@ -188,7 +188,10 @@ class CacheConfig:
         mla_entry_bytes(self.model.kv_lora_rank, self.model.qk_rope_head_dim, self.kv_cache_dtype)
         if self.speculative is not None and self.speculative.draft is not None:
             draft = self.speculative.draft
-            mla_entry_bytes(draft.kv_lora_rank, draft.qk_rope_head_dim, self.draft_kv_cache_dtype)
+            try:
+                mla_entry_bytes(draft.kv_lora_rank, draft.qk_rope_head_dim, self.draft_kv_cache_dtype)
+            except ValueError as exc:
+                raise ConfigError(f"speculative_config draft ({draft.name}): {exc}") from None
 
     def _check_choices(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -1,7 +1,7 @@
 """Per-token byte sizes of every cache entry (pure Python, no torch).
 
-The byte layouts themselves are drawn in ``docs/layout.md``; the torch codecs live
-beside this module (``indexer_key.py``, ``mla.py``).
+The byte layouts themselves are drawn in ``docs/layout.md``; the torch codecs of the
+indexer key formats live beside this module (``indexer_key.py``).
 """
 
 from __future__ import annotations

@@ -22,3 +22,9 @@ def loop_bound(n):
     if INTERPRET:
         n.handle.data = n.handle.data.reshape(())
     return n
+
+
+def check_launch(condition: bool, what: str) -> None:
+    """A launcher's precondition on strides/dtypes: ``ValueError`` naming it (asserts vanish under -O)."""
+    if not condition:
+        raise ValueError(f"kernel launch precondition failed: {what}")

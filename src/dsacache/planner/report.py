@@ -113,6 +113,9 @@ def _notes(layout: CacheLayout) -> list[str]:
     if spec is not None and spec.method in MLA_DRAFT_METHODS and spec.draft is None:
         notes.append(f"speculative method {spec.method!r} without an MLA draft config (no 'model'/'draft_config' "
                      "with kv_lora_rank): no draft pages planned")
+    if layout.is_packed and config.prefill_context_parallel_size > 1:
+        notes.append(f"prefill_context_parallel_size={config.prefill_context_parallel_size}: the packed "
+                     "runtime's step metadata refuses PCP (NotImplementedError); plan with 1 to serve it")
     if config.model.indexer is None and config.indexer_kv_dtype != "auto":
         notes.append(f"indexer_kv_dtype={config.indexer_kv_dtype!r} has no effect: the model has no indexer")
     return notes

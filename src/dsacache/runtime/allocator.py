@@ -58,6 +58,7 @@ class PrefixStats:
 
     @property
     def hit_rate(self) -> float:
+        """Share of prompt tokens served from reused blocks."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
@@ -135,6 +136,7 @@ class RowAllocator:
 
     @property
     def num_used_rows(self) -> int:
+        """Rows owned by live requests (state and attention rows)."""
         return self.num_rows - self.num_free_rows
 
     @property
@@ -144,6 +146,7 @@ class RowAllocator:
 
     @property
     def num_requests(self) -> int:
+        """Live requests."""
         return len(self._requests)
 
     def _num_parked(self) -> int:
@@ -240,18 +243,23 @@ class RowAllocator:
     # Queries -------------------------------------------------------------------------
 
     def has_request(self, request_id: RequestId) -> bool:
+        """Whether ``request_id`` is live."""
         return request_id in self._requests
 
     def request_ids(self) -> list[RequestId]:
+        """Live request ids, in admission order."""
         return list(self._requests)
 
     def state_rows(self, request_id: RequestId) -> list[int]:
+        """The request's KDA state rows (``state_rows_per_request`` of them)."""
         return list(self._get(request_id).state_rows)
 
     def attention_rows(self, request_id: RequestId) -> list[int]:
+        """The request's attention rows, in token order."""
         return list(self._get(request_id).rows)
 
     def num_tokens(self, request_id: RequestId) -> int:
+        """Tokens the request holds in the cache."""
         return self._get(request_id).num_tokens
 
     def num_pages(self, request_id: RequestId) -> int:

@@ -7,6 +7,8 @@ keeps its own pool and a block table over its local positions.
 
 from __future__ import annotations
 
+import torch
+
 
 def check_dcp(world_size: int, rank: int, interleave: int) -> None:
     """Raise a ``ValueError`` naming the bad DCP setting."""
@@ -33,3 +35,11 @@ def dcp_local_len(seq_len: int, world_size: int, rank: int, interleave: int) -> 
     cycle = interleave * world_size
     full, rest = divmod(seq_len, cycle)
     return full * interleave + min(max(rest - rank * interleave, 0), interleave)
+
+
+def dcp_local_lens(seq_lens: torch.Tensor, world_size: int, rank: int, interleave: int) -> torch.Tensor:
+    """:func:`dcp_local_len` over a tensor of lengths (device ops only, graph-capturable)."""
+    cycle = interleave * world_size
+    lens = seq_lens.to(torch.int32)
+    rest = (lens % cycle - rank * interleave).clamp(0, interleave)
+    return (lens // cycle * interleave + rest).to(torch.int32)

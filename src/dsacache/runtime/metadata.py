@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
-from dsacache.runtime.dcp import check_dcp
-from dsacache.ops.dispatch import use_triton
+from dsacache.runtime.dcp import check_dcp, dcp_local_lens
+from dsacache.dispatch import use_triton
 from dsacache.runtime.slot_mapping import compute_slot_mapping
 
 LOGIT_BYTES = 4  # fp32
@@ -89,14 +89,17 @@ class PrefillChunk:
 
     @property
     def num_queries(self) -> int:
+        """Query tokens in this chunk."""
         return self.query_end - self.query_start
 
     @property
     def num_keys(self) -> int:
+        """Keys gathered for this chunk: ``cu_seqlens_k[-1]`` (a device sync when it lives on a GPU)."""
         return int(self.cu_seqlens_k[-1])
 
     @property
     def logits_bytes(self) -> int:
+        """Bytes of the fp32 ``[num_queries, num_keys]`` logits of this chunk."""
         return self.num_queries * self.num_keys * LOGIT_BYTES
 
 
@@ -265,7 +268,10 @@ def build_indexer_metadata(
         num_decodes: leading requests that are decodes; default: the leading run of requests
             with exactly ``next_n`` query tokens and a context before them.
         workspace_tokens, logits_bytes: prefill chunk budgets (:func:`plan_prefill_chunks`).
-        dcp_*: decode context parallelism of the slot mapping; pcp_world_size must be 1.
+        dcp_*: decode context parallelism: the slot mapping keeps this rank's tokens and the
+            decode context lengths count this rank's share of each row's positions (the
+            block table is over local positions); prefills under DCP are refused
+            (``NotImplementedError``). pcp_world_size must be 1.
 
     One host-to-device copy of the lengths, then device work only (no sync on CUDA).
     """
@@ -276,6 +282,11 @@ def build_indexer_metadata(
         )
     check_dcp(dcp_world_size, dcp_rank, dcp_interleave)
     num_decodes = _count_decodes(query_lens, seq_lens, next_n, num_decodes)
+    if dcp_world_size > 1 and num_decodes < len(query_lens):
+        raise NotImplementedError(
+            f"prefill chunks under decode context parallelism (dcp_world_size={dcp_world_size}) are not "
+            "built yet: each rank holds only its share of the keys; schedule prefills without DCP"
+        )
     device = block_table.device
     query_start_loc, positions, seq_lens_t = _host_step_tensors(query_lens, seq_lens, device)
     num_decode_tokens = num_decodes * next_n
@@ -291,9 +302,16 @@ def build_indexer_metadata(
     return IndexerStepMetadata(
         slot_mapping=slot_mapping, query_start_loc=query_start_loc, positions=positions, seq_lens=seq_lens_t,
         num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, next_n=next_n,
-        decode_context_lens=decode_context_lens(seq_lens_t[:num_decodes], next_n, impl=impl),
+        decode_context_lens=_local_decode_lens(seq_lens_t[:num_decodes], next_n, impl,
+                                               dcp_world_size, dcp_rank, dcp_interleave),
         decode_block_table=block_table[:num_decodes], prefill_chunks=tuple(chunks),
     )
+
+
+def _local_decode_lens(seq_lens, next_n, impl, world_size, rank, interleave) -> torch.Tensor:
+    """Per-row decode context lengths as this DCP rank stores them (its share of each row's positions)."""
+    lens = decode_context_lens(seq_lens, next_n, impl=impl)
+    return lens if world_size == 1 else dcp_local_lens(lens, world_size, rank, interleave)
 
 
 def _count_decodes(query_lens, seq_lens, next_n, num_decodes) -> int:

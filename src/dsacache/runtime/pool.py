@@ -40,10 +40,12 @@ class CachePool:
 
     @property
     def device(self) -> torch.device:
+        """Device of the pool."""
         return self.buffer.device
 
     @property
     def num_kernel_pages(self) -> int:
+        """Kernel pages in the pool: the first dim of every per-layer view."""
         return self.layout.num_kernel_pages
 
     # Paged views ---------------------------------------------------------------------
@@ -94,6 +96,12 @@ class CachePool:
     def state_tensors_at(self, state_rows: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Like :meth:`state_tensors`, for an explicit list of a request's state rows."""
         if layer not in self._kda:
+            kda = self.layout.config.model.kda
+            if kda is not None and layer in kda.layers:
+                raise NotImplementedError(
+                    f"layer {layer} is a KDA layer of a {self.layout.kind} layout: only the packed layout "
+                    "(KDA-hybrid DSA models) holds KDA states in the pool"
+                )
             raise ValueError(f"layer {layer} is not a KDA layer; KDA layers: {sorted(self._kda)}")
         slot, state = self._kda[layer], self.layout.state
         if len(state_rows) != self.layout.state_rows_per_request:

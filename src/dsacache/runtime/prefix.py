@@ -37,10 +37,12 @@ class PrefixCache:
 
     @property
     def num_parked(self) -> int:
+        """Freed full blocks kept for reuse until their row is needed."""
         return len(self._parked)
 
     @property
     def num_named(self) -> int:
+        """Rows that carry a content hash (in use or parked)."""
         return len(self._row_of)
 
     def lookup(self, block_hash: BlockHash) -> int | None:
@@ -48,12 +50,15 @@ class PrefixCache:
         return self._row_of.get(block_hash)
 
     def hash_of(self, row: int) -> BlockHash:
+        """The content hash ``row`` carries (``KeyError`` if it carries none; see :meth:`is_named`)."""
         return self._hash_of[row]
 
     def is_named(self, row: int) -> bool:
+        """Whether ``row`` carries a content hash."""
         return row in self._hash_of
 
     def is_parked(self, row: int) -> bool:
+        """Whether ``row`` is a freed block kept for reuse."""
         return row in self._parked
 
     def insert(self, block_hash: BlockHash, row: int) -> bool:
@@ -85,4 +90,5 @@ class PrefixCache:
         return row
 
     def parked_rows(self) -> list[int]:
+        """Parked rows, least recently parked first (the eviction order)."""
         return list(self._parked)

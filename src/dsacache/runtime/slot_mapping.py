@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
-from dsacache.ops.dispatch import use_triton
+from dsacache.dispatch import use_triton
 from dsacache.runtime.dcp import check_dcp
 
 

@@ -45,10 +45,12 @@ class LayoutResult:
 
     @property
     def prefix_hit_rate(self) -> float:
+        """Share of prompt tokens served from reused blocks."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def pool_bytes(self) -> int:
+        """Bytes of the simulated pool."""
         return self.num_rows * self.row_bytes
 
 
@@ -188,7 +190,9 @@ class Replay:
         num_requests = alloc.num_requests
         usage.token_bytes += tokens * layout.row_bytes_per_token
         usage.attention_bytes += len(seen) * layout.row_bytes
-        usage.state_bytes += num_requests * layout.num_kda_layers * layout.state_bytes
+        # Only states held in the pool count: a paged layout keeps KDA states outside it.
+        if layout.state_rows_per_request:
+            usage.state_bytes += num_requests * layout.num_kda_layers * layout.state_bytes
         usage.state_row_bytes += num_requests * layout.state_rows_per_request * layout.row_bytes
         usage.samples += 1
 

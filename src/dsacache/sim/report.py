@@ -35,6 +35,7 @@ class SimReport:
     results: list[LayoutResult]
 
     def to_dict(self) -> dict:
+        """The report as JSON-ready data."""
         return {
             "model": self.model,
             "tensor_parallel_size": self.tensor_parallel_size,
@@ -44,6 +45,7 @@ class SimReport:
         }
 
     def to_text(self) -> str:
+        """The report as an aligned text table."""
         w = self.workload
         lines = [
             f"simulate: {self.model}, TP {self.tensor_parallel_size}, pool "

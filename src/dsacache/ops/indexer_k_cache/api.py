@@ -13,7 +13,7 @@ import torch
 
 from dsacache.formats.indexer_key import check_indexer_pages
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE, MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
-from dsacache.ops.dispatch import use_triton
+from dsacache.dispatch import check_same_device, use_triton
 from dsacache.ops.indexer_k_cache import naive
 
 KEY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -23,12 +23,6 @@ MXFP4_RULE = (
     "indexer_kv_dtype='mxfp4' is written only by the fused LayerNorm insert "
     "(fused_norm_store_indexer_keys; packing.md, 'Indexer key format choice')"
 )
-
-
-def _check_same_device(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got {devices}")
 
 
 def _check_keys(k: torch.Tensor) -> int:
@@ -111,7 +105,7 @@ def store_indexer_keys(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch
     if fmt == "mxfp4":
         raise ValueError(f"store_indexer_keys: {MXFP4_RULE}")
     _check_pages(pages, head_dim, fmt)
-    _check_same_device(k=k, pages=pages, slot_mapping=slot_mapping)
+    check_same_device(k=k, pages=pages, slot_mapping=slot_mapping)
     _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
     if use_triton(impl, k, pages, slot_mapping):
         from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
@@ -157,7 +151,7 @@ def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: t
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
     _check_norm_params(weight, bias, head_dim, eps)
     _check_pages(pages, head_dim, fmt)
-    _check_same_device(k=k, weight=weight, bias=bias, pages=pages, slot_mapping=slot_mapping)
+    check_same_device(k=k, weight=weight, bias=bias, pages=pages, slot_mapping=slot_mapping)
     _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
     if use_triton(impl, k, pages, slot_mapping):
         from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
@@ -183,6 +177,14 @@ def _check_gather_metadata(block_table: torch.Tensor, cu_seqlens: torch.Tensor) 
                          f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
 
 
+def _checked_num_tokens(cu_seqlens: torch.Tensor) -> int:
+    """``cu_seqlens[-1]`` after checking, on the host, that it starts at 0 and never decreases."""
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    return cu[-1]
+
+
 def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor,
                         indexer_kv_dtype: str, head_dim: int, *, num_tokens: int | None = None,
                         impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +200,8 @@ def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqle
         block_table: ``[num_reqs, max_pages]`` int32 kernel page ids.
         cu_seqlens: ``[num_reqs + 1]`` int32, ``0`` first, non-decreasing.
         indexer_kv_dtype: ``"auto"``, ``"fp8"`` or ``"mxfp4"``; head_dim: the key width.
-        num_tokens: ``cu_seqlens[-1]`` if known; ``None`` reads it (one device sync).
+        num_tokens: ``cu_seqlens[-1]`` if known (then ``cu_seqlens`` is trusted: no sync, for
+            CUDA graphs); ``None`` reads and checks ``cu_seqlens`` on the host.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -214,9 +217,9 @@ def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqle
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
     _check_pages(pages, head_dim, fmt)
     _check_gather_metadata(block_table, cu_seqlens)
-    _check_same_device(pages=pages, block_table=block_table, cu_seqlens=cu_seqlens)
+    check_same_device(pages=pages, block_table=block_table, cu_seqlens=cu_seqlens)
     if num_tokens is None:
-        num_tokens = int(cu_seqlens[-1])
+        num_tokens = _checked_num_tokens(cu_seqlens)
     if num_tokens < 0:
         raise ValueError(f"num_tokens={num_tokens} must be >= 0")
     if not use_triton(impl, pages, block_table, cu_seqlens):
@@ -242,6 +245,8 @@ def _check_quantized(values: torch.Tensor, scales: torch.Tensor, fmt: str) -> in
             raise ValueError("FP8 keys are (values [T, D] float8_e4m3fn, scales [T] float32)")
         return values.shape[1]
     head_dim = values.shape[1] * 2
+    if head_dim % 32:
+        raise ValueError(f"MXFP4 head_dim={head_dim} (2 x values.shape[1]) must be a multiple of 32")
     if values.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != (values.shape[0], head_dim // 32):
         raise ValueError("MXFP4 keys are (packed [T, D/2] uint8, scales [T, D/32] uint8), D a multiple of 32")
     return head_dim
@@ -262,7 +267,7 @@ def dequantize_indexer_keys(values: torch.Tensor, scales: torch.Tensor, indexer_
     """
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
     head_dim = _check_quantized(values, scales, fmt)
-    _check_same_device(values=values, scales=scales)
+    check_same_device(values=values, scales=scales)
     if not use_triton(impl, values, scales):
         return naive.dequantize_indexer_keys(values, scales, fmt)
     from dsacache.ops.indexer_k_cache.triton_kernels import launch_dequantize

@@ -33,9 +33,10 @@ def layer_norm(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return centered * rstd * weight.float() + bias.float()
 
 
-def _last_occurrence(slot_mapping: torch.Tensor) -> torch.Tensor:
-    """Indices of the tokens to store: valid slots only, the last token of a repeated slot."""
+def _last_occurrence(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Indices of the tokens to store: slots in ``[0, num_slots)`` only, the last token of a repeated slot."""
     slots = slot_mapping.long()
+    slots = torch.where(slots < num_slots, slots, torch.full_like(slots, -1))
     sorted_slots, order = torch.sort(slots, stable=True)
     keep = torch.ones_like(sorted_slots, dtype=torch.bool)
     keep[:-1] = sorted_slots[1:] != sorted_slots[:-1]
@@ -60,7 +61,7 @@ def _quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def store_quantized(x: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tensor, fmt: str) -> None:
     """Quantize keys ``x [T, D]`` to ``fmt`` and write them at ``slot_mapping`` (last repeat wins)."""
-    tokens = _last_occurrence(slot_mapping)
+    tokens = _last_occurrence(slot_mapping, pages.shape[0] * KERNEL_PAGE_SIZE)
     if tokens.numel() == 0:
         return
     values, scales = _quantize(x[tokens], fmt)

@@ -11,7 +11,7 @@ import torch
 
 from dsacache.formats.indexer_key import check_indexer_pages, fp8_page_views, mxfp4_page_views
 from dsacache.formats.sizes import MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
-from dsacache.ops.dispatch import use_triton
+from dsacache.dispatch import check_same_device, use_triton
 from dsacache.ops.indexer_logits import naive
 
 def per_row_context_lens(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
@@ -138,9 +138,10 @@ def paged_decode_logits(
                          f"got {tuple(block_table.shape)} {block_table.dtype}")
     if max_model_len < 1:
         raise ValueError(f"max_model_len={max_model_len} must be >= 1")
+    check_same_device(q=q, weights=weights, context_lens=context_lens, pages=pages, block_table=block_table)
     context_lens = _check_context_lens(context_lens, batch, next_n)
     out = _check_out(out, (batch * next_n, max_model_len), q.device)
-    if not use_triton(impl, q):
+    if not use_triton(impl, q, pages, block_table):
         row_lens = context_lens if context_lens.dim() == 2 else per_row_context_lens(context_lens, next_n)
         row_lens = row_lens.clamp(0, max_model_len)
         return out.copy_(naive.paged_decode_logits(q, weights, row_lens, pages, block_table, max_model_len, fmt))
@@ -193,8 +194,9 @@ def ragged_prefill_logits(
     """Indexer logits of prefill queries against keys gathered contiguously.
 
     ``logit[i, j] = sum_h weights[i, h] * relu(q[i, h] . key[j])`` for ``ks[i] <= j < ke[i]``,
-    ``-inf`` elsewhere. Call it once per chunk of query rows (see :func:`prefill_row_chunks`)
-    so the ``[M, N]`` output stays within the step's logits budget.
+    ``-inf`` elsewhere. Call it once per prefill chunk of the step metadata
+    (:func:`dsacache.runtime.plan_prefill_chunks`, whose ``ks``/``ke`` are these windows), so the
+    ``[M, N]`` output stays within the step's logits budget.
 
     Args:
         q: ``[M, H, D]`` float8_e4m3fn queries.
@@ -227,11 +229,12 @@ def ragged_prefill_logits(
     for name, t in (("ks", ks), ("ke", ke)):
         if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (num_rows,):
             raise ValueError(f"{name} must be int32 [{num_rows}], got {tuple(t.shape)} {t.dtype}")
+    check_same_device(q=q, weights=weights, k_values=k_values, k_scales=k_scales, ks=ks, ke=ke)
     num_keys = k_values.shape[0]
     ks = ks.to(torch.int32).clamp(0, num_keys)
     ke = ke.to(torch.int32).clamp(0, num_keys)
     out = _check_out(out, (num_rows, num_keys), q.device)
-    if not use_triton(impl, q):
+    if not use_triton(impl, q, k_values):
         return out.copy_(naive.ragged_prefill_logits(q, weights, k_values, k_scales, ks, ke))
 
     from dsacache.ops.indexer_logits.triton_kernels import launch_ragged_prefill
@@ -245,7 +248,10 @@ def ragged_prefill_logits(
 
 def prefill_row_chunks(num_rows: int, num_keys: int, max_logits_bytes: int) -> list[tuple[int, int]]:
     """Split ``num_rows`` query rows into ``[start, end)`` chunks whose fp32 logits
-    (``rows x num_keys x 4`` bytes) fit ``max_logits_bytes``; at least one row a chunk."""
+    (``rows x num_keys x 4`` bytes) fit ``max_logits_bytes``; at least one row a chunk.
+
+    For a single block of rows against one key set; a scheduler step with many requests uses
+    :func:`dsacache.runtime.plan_prefill_chunks`, which also bounds the gathered keys."""
     if num_rows < 0 or num_keys < 0 or max_logits_bytes <= 0:
         raise ValueError(f"need num_rows, num_keys >= 0 and max_logits_bytes > 0, got "
                          f"{num_rows}, {num_keys}, {max_logits_bytes}")

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
-from dsacache.ops.triton_utils import INTERPRET, loop_bound
+from dsacache.ops.triton_utils import INTERPRET, check_launch, loop_bound
 
 #: The inline-PTX MXFP4 decode needs a compiled NVIDIA kernel.
 PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
@@ -288,10 +288,13 @@ def launch_paged_decode(
     ``context_lens`` is per row ``[B, next_n]`` or per request ``[B]`` (unclamped)."""
     cfg = {**DECODE_CONFIG, **(config or {})}
     batch, next_n, num_heads, head_dim = q.shape
-    assert q.is_contiguous() and weights.is_contiguous() and context_lens.is_contiguous()
-    assert context_lens.dtype == torch.int32 and context_lens.dim() in (1, 2)
-    assert values.stride()[1:] == (values.shape[2], 1) and block_table.stride(1) == 1
-    assert out.is_contiguous() and cfg["BLOCK_N"] % KERNEL_PAGE_SIZE == 0
+    check_launch(q.is_contiguous() and weights.is_contiguous() and context_lens.is_contiguous(),
+                 "q, weights and context_lens contiguous")
+    check_launch(context_lens.dtype == torch.int32 and context_lens.dim() in (1, 2), "context_lens int32 [B] or [B, next_n]")
+    check_launch(values.stride()[1:] == (values.shape[2], 1) and block_table.stride(1) == 1,
+                 "contiguous page rows and block_table rows")
+    check_launch(out.is_contiguous() and cfg["BLOCK_N"] % KERNEL_PAGE_SIZE == 0,
+                 "contiguous out and BLOCK_N a multiple of the kernel page")
     max_model_len = out.shape[1]
     grid = (triton.cdiv(max_model_len, cfg["BLOCK_N"] * cfg["TILES"]), batch)
     _paged_decode_kernel[grid](
@@ -319,8 +322,8 @@ def launch_ragged_prefill(
     """Fill ``out [M, N]`` from contiguous keys."""
     cfg = {**PREFILL_CONFIG, **(config or {})}
     num_rows, num_heads, head_dim = q.shape
-    assert q.is_contiguous() and weights.is_contiguous() and out.is_contiguous()
-    assert k_values.is_contiguous() and k_scales.is_contiguous()
+    check_launch(q.is_contiguous() and weights.is_contiguous() and out.is_contiguous(), "q, weights and out contiguous")
+    check_launch(k_values.is_contiguous() and k_scales.is_contiguous(), "k_values and k_scales contiguous")
     num_keys = out.shape[1]
     grid = (triton.cdiv(num_keys, cfg["BLOCK_N"] * cfg["TILES"]), triton.cdiv(num_rows, cfg["ROWS"]))
     _ragged_prefill_kernel[grid](

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
-from dsacache.ops.dispatch import use_triton
+from dsacache.dispatch import check_same_device, use_triton
 from dsacache.ops.topk import naive
 
 #: Default number of positions kept per row (``index_topk`` of DeepSeek V3.2 and Kimi-K3.1).
@@ -64,6 +64,8 @@ def topk_indices(
     if not 1 <= k <= MAX_TOPK:
         raise ValueError(f"k={k}; allowed: 1..{MAX_TOPK}")
     num_rows, width = logits.shape
+    check_same_device(logits=logits, seq_lens=seq_lens,
+                      **({} if row_starts is None else {"row_starts": row_starts}))
     _check_row_vector("seq_lens", seq_lens, num_rows)
     if row_starts is None:
         starts = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
@@ -124,6 +126,7 @@ def positions_to_slots(
             or block_table.shape[0] != positions.shape[0] // next_n:
         raise ValueError(f"block_table must be int32 [{positions.shape[0] // next_n}, max_blocks], "
                          f"got {tuple(block_table.shape)} {block_table.dtype}")
+    check_same_device(positions=positions, block_table=block_table)
     limit = 2**31 // KERNEL_PAGE_SIZE if num_pages is None else num_pages
     if not use_triton(impl, positions):
         return naive.positions_to_slots(positions, block_table, next_n, limit)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsacache.ops.triton_utils import loop_bound
+from dsacache.ops.triton_utils import check_launch, loop_bound
 
 #: Launch settings: BLOCK logits a step, SAMPLES sorted for the cut-off. CAP (candidate
 #: buffer length, default CANDIDATES_PER_K * k) and SPLITS (programs a row's candidate
@@ -277,8 +277,8 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, 
                 config: dict | None = None) -> None:
     """Fill ``out [R, k]`` with the top-k positions of each row of ``logits [R, *]`` (two launches)."""
     cfg = {**TOPK_CONFIG, **(config or {})}
-    assert logits.stride(1) == 1 and out.is_contiguous()
-    assert lens.is_contiguous() and starts.is_contiguous()
+    check_launch(logits.stride(1) == 1 and out.is_contiguous(), "contiguous logits rows and out")
+    check_launch(lens.is_contiguous() and starts.is_contiguous(), "contiguous lengths and row starts")
     rows, k = logits.shape[0], out.shape[1]
     cap = cfg.get("CAP") or CANDIDATES_PER_K * k
     splits = cfg.get("SPLITS") or topk_splits(rows, _num_sms(logits.device))
@@ -303,7 +303,8 @@ def _num_sms(device: torch.device) -> int:
 def launch_positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
                               next_n: int, num_pages: int, page_size: int) -> None:
     """Fill ``out [R, k]`` with cache slots of ``positions [R, k]``."""
-    assert positions.stride(1) == 1 and block_table.stride(1) == 1 and out.is_contiguous()
+    check_launch(positions.stride(1) == 1 and block_table.stride(1) == 1 and out.is_contiguous(),
+                 "contiguous positions rows, block_table rows and out")
     block = 1024
     grid = (positions.shape[0], triton.cdiv(positions.shape[1], block))
     _positions_to_slots_kernel[grid](

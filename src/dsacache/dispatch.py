@@ -14,6 +14,13 @@ import torch
 IMPLS = ("auto", "triton", "torch")
 
 
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the tensors unless they all live on one device."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
 def use_triton(impl: str, *tensors: torch.Tensor) -> bool:
     """True when the Triton path should run for ``tensors`` under ``impl``."""
     if impl not in IMPLS:
