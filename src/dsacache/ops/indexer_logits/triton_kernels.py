@@ -19,7 +19,10 @@ more than 2**11 below its token's largest group is dropped (its products are und
 2**-9 of the largest group's; the reference keeps them). On CUDA the nibble -> byte
 rewrite is a byte-permute table lookup (``prmt``), four values an instruction; the
 interpreter and other backends use the same math in plain integer ops. Queries stay the
-same FP8 tensor as for FP8 keys.
+same FP8 tensor as for FP8 keys. The default "table" decode builds the lookup tables once
+per 32-value group and leaves each thread's values in the order they were packed, which
+permutes the key columns; the queries are read in the same permuted order, which leaves the
+dot products unchanged ("v1", one offset per value and element order, is kept to compare).
 
 Every program owns a fixed range of output columns and writes all of them: scored
 tiles first, then ``-inf`` for the tiles past the longest row, so no separate fill pass.
@@ -38,11 +41,24 @@ from dsacache.ops.triton_utils import INTERPRET, check_launch, loop_bound
 #: The inline-PTX MXFP4 decode needs a compiled NVIDIA kernel.
 PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
 
-#: Launch settings for the paged decode kernel (BLOCK_N keys a tile, TILES tiles a program).
-DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 16, "num_warps": 4, "num_stages": 2, "mxfp4_asm": PTX_AVAILABLE}
+#: Launch settings for the paged decode kernel (a tile is one 64-token page, TILES tiles a
+#: program). ``mxfp4_decode``: "table" (per-group lookup tables, keys in a permuted column order)
+#: or "v1" (per-value offsets, keys in element order); see ``_mxfp4_key_tile_table``.
+#: ``maxnreg`` (NVIDIA only, None = no cap) caps registers a thread when the product has at
+#: most ``maxnreg_cols`` columns (next_n rounded up to a power of two, times H): 64 keeps
+#: 8 programs an SM at H = 64, where the scale prefetch would otherwise need 70 registers
+#: (H200, B=64, 128K: H = 64 299 -> 293 us); wider products need more registers than that.
+DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 8, "num_warps": 4, "num_stages": 2, "maxnreg": 64, "maxnreg_cols": 64,
+                 "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
+#: What MXFP4 keys change in DECODE_CONFIG (tuned on their own; the table decode keeps its keys
+#: in registers only while the tile is 16 * num_warps tokens). The register cap helps at H = 32
+#: (256 -> 248 us) and hurts at H = 64 (319 -> 348 us).
+MXFP4_DECODE_CONFIG: dict = {"TILES": 16, "maxnreg_cols": 32}
 #: Launch settings for the ragged prefill kernel (ROWS query rows a program).
 PREFILL_CONFIG = {"BLOCK_N": 64, "TILES": 8, "ROWS": 4, "num_warps": 4, "num_stages": 3,
-                  "mxfp4_asm": PTX_AVAILABLE}
+                  "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
+#: The MXFP4 decodes a launch may ask for.
+MXFP4_DECODES = ("table", "v1")
 
 
 @triton.jit
@@ -113,14 +129,15 @@ def _nibble_to_e4m3(code, offset):
 
 
 @triton.jit
-def _mxfp4_key_tile(packed_rows, scale_rows, ok, D: tl.constexpr, ASM: tl.constexpr):
-    """MXFP4 keys at byte pointers packed_rows/scale_rows [BLOCK_N] -> (e4m3 [BLOCK_N, D], fp32 [BLOCK_N])."""
+def _mxfp4_key_tile(packed_rows, scale, ok, D: tl.constexpr, ASM: tl.constexpr):
+    """MXFP4 keys at byte pointers packed_rows [BLOCK_N] with their scale bytes [BLOCK_N, D/32]
+    -> (e4m3 [BLOCK_N, D], fp32 [BLOCK_N])."""
     G: tl.constexpr = D // 32
     g = tl.arange(0, G)
     byte = tl.arange(0, 16)
     packed = tl.load(packed_rows[:, None, None] + (16 * g[None, :, None] + byte[None, None, :]),
                      mask=ok[:, None, None], other=0)
-    scale = tl.load(scale_rows[:, None] + g[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    scale = scale.to(tl.int32)
     top = tl.max(scale, axis=1)
     t = scale - top[:, None] + 11
     offset = tl.where(t >= 0, 8 * t, DROPPED_GROUP)
@@ -134,20 +151,140 @@ def _mxfp4_key_tile(packed_rows, scale_rows, ok, D: tl.constexpr, ASM: tl.conste
         lo = _nibble_to_e4m3(codes & 15, offset).to(tl.uint8)
         hi = _nibble_to_e4m3(codes >> 4, offset).to(tl.uint8)
     keys = tl.reshape(tl.join(lo, hi), [packed.shape[0], D]).to(tl.float8e4nv, bitcast=True)
-    # 2**(top - 133): 2**(top - 127) built from its bits (top 0 -> 2**-127), then 2**-6.
-    unit = (tl.maximum(top, 1) << 23).to(tl.float32, bitcast=True) * tl.where(top == 0, 0.5, 1.0)
-    return keys, unit * 0.015625
+    return keys, _mxfp4_token_factor(top)
 
 
 @triton.jit
-def _key_tile(value_rows, scale_rows, ok, D: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr):
-    """Keys of one tile as (e4m3 [BLOCK_N, D], per-token fp32 factor [BLOCK_N]); rows not ok read 0."""
+def _mxfp4_token_factor(top):
+    """A token's largest scale byte -> its fp32 factor 2**(top - 133)."""
+    # 2**(top - 127) built from its bits (top 0 -> 2**-127), then 2**-6.
+    unit = (tl.maximum(top, 1) << 23).to(tl.float32, bitcast=True) * tl.where(top == 0, 0.5, 1.0)
+    return unit * 0.015625
+
+
+# The "table" decode. $0/$1: e4m3 bytes of codes 0-3 / 4-7 of the packed word $2 (code i in
+# bits 4i..4i+3, low nibble first as stored); $6: the group's t = s_g - s_max + 11 (< 0:
+# dropped). pack=4 hands each input over as four copies (one per output byte), only the
+# first is read. Per group, two prmt tables: bytes 0..7 of (pl, ph) are the e4m3 codes of the
+# magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 times 2**(t - 5) (v1's offset 8 t is added to the
+# nonzero codes once a group here), and (nl, nh) hold (that byte | 0x80) >> 1; a dropped group
+# gets all-zero tables. The table math repeats in every word of a group; ptxas computes it once.
+# Per value, the selector nibbles are the codes themselves: bits 0-2 pick a table byte and
+# bit 3, the sign, makes prmt replicate that byte's msb (0 here) instead. So `pos` holds the
+# magnitudes of the positive codes and 0 for the negative ones; with the sign bits flipped
+# first, the second table gives the negative ones, and pos + 2 neg is the signed byte (every
+# magnitude is a multiple of 4, so nothing is lost by the halving, and -0 stays 0x80 as in
+# `_nibble_to_e4m3`). 9 instructions a word, 8 values.
+_TABLE_ASM = tl.constexpr("""
+{
+.reg .pred kept;
+.reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
+setp.ge.s32 kept, $6, 0;
+mad.lo.s32 pl, $6, 0x08080800, 0x14100800;
+mad.lo.s32 ph, $6, 0x08080808, 0x24201C18;
+mad.lo.s32 nl, $6, 0x04040400, 0x4A484440;
+mad.lo.s32 nh, $6, 0x04040404, 0x52504E4C;
+selp.b32 pl, pl, 0, kept;
+selp.b32 ph, ph, 0, kept;
+selp.b32 nl, nl, 0, kept;
+selp.b32 nh, nh, 0, kept;
+xor.b32 flip, $2, 0x88888888;
+prmt.b32 pos, pl, ph, $2;
+prmt.b32 neg, nl, nh, flip;
+shl.b32 neg, neg, 1;
+add.u32 $0, pos, neg;
+shr.u32 sel, $2, 16;
+shr.u32 flip, flip, 16;
+prmt.b32 pos, pl, ph, sel;
+prmt.b32 neg, nl, nh, flip;
+shl.b32 neg, neg, 1;
+add.u32 $1, pos, neg;
+}
+""")
+
+
+@triton.jit
+def _table_columns(D: tl.constexpr):
+    """Element of a key each column of ``_mxfp4_key_tile_table`` holds [D]."""
+    G: tl.constexpr = D // 32
+    col = tl.arange(0, D)
+    j = col % 4
+    g = (col // 4) % G
+    s = (col // (4 * G)) % 2
+    w = col // (8 * G)
+    return 32 * g + 8 * w + 4 * s + j
+
+
+@triton.jit
+def _mxfp4_key_tile_table(packed_rows, scale, ok, D: tl.constexpr, ASM: tl.constexpr):
+    """MXFP4 keys -> (e4m3 [BLOCK_N, D] in the column order of ``_table_columns``, fp32 [BLOCK_N]).
+
+    The values of ``_mxfp4_key_tile``, columns permuted: word w (8 codes) of group g gives two
+    4-byte registers, its low and high half s, stored as columns ``((2 w + s) G + g) 4 + j``.
+    At D = 128 these are exactly the registers a thread holds in the wgmma operand layout
+    (4 consecutive columns a register, columns 4-15 of each 16 on the other lanes of its quad),
+    so each thread reads one whole 16-byte group of a token and decodes it in place, no byte
+    shuffles; the queries are loaded in the same column order. Nothing computed from
+    ``tl.arange`` may enter the chain after the loads (Triton then stops propagating the
+    operand layout back to them and goes through shared memory), hence the broadcasts.
+    """
+    G: tl.constexpr = D // 32
+    g = tl.arange(0, G)
+    w = tl.arange(0, 4)[None, :, None, None]
+    word_rows = packed_rows.to(tl.pointer_type(tl.int32))[:, None, None, None]
+    words = tl.load(word_rows + (4 * g[None, None, :, None] + w), mask=ok[:, None, None, None], other=0)
+    words = tl.broadcast_to(words, [words.shape[0], 4, G, 4])  # [BLOCK_N, word, group, byte]
+    scale = scale.to(tl.int32)
+    top = tl.max(scale, axis=1)
+    t = scale - top[:, None] + 11
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _TABLE_ASM, "=r,=r" + ",r" * 8, [words, t[:, None, :, None]],
+            dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    else:
+        j = tl.arange(0, 4)[None, None, None, :]
+        offset = tl.where(t >= 0, 8 * t, DROPPED_GROUP)[:, None, :, None]
+        lo = _nibble_to_e4m3((words >> (4 * j)) & 15, offset).to(tl.uint8)
+        hi = _nibble_to_e4m3((words >> (4 * j + 16)) & 15, offset).to(tl.uint8)
+    keys = tl.permute(tl.join(lo, hi), (0, 1, 4, 2, 3))  # [BLOCK_N, word, half, group, byte]
+    keys = tl.reshape(keys, [keys.shape[0], D]).to(tl.float8e4nv, bitcast=True)
+    return keys, _mxfp4_token_factor(top)
+
+
+@triton.jit
+def _key_columns(D: tl.constexpr, MXFP4: tl.constexpr, TABLE: tl.constexpr):
+    """Key element each column of ``_key_tile`` holds [D]; the queries are loaded in this order."""
+    if MXFP4 and TABLE:
+        d = _table_columns(D)
+    else:
+        d = tl.arange(0, D)
+    return d
+
+
+@triton.jit
+def _load_scales(scale_rows, ok, D: tl.constexpr, MXFP4: tl.constexpr):
+    """A tile's scales at scale_rows [BLOCK_N]: fp32 [BLOCK_N] (FP8) or UE8M0 bytes [BLOCK_N, D/32]."""
     if MXFP4:
-        keys, factor = _mxfp4_key_tile(value_rows, scale_rows, ok, D, ASM)
+        g = tl.arange(0, D // 32)
+        scales = tl.load(scale_rows[:, None] + g[None, :], mask=ok[:, None], other=0)
+    else:
+        scales = tl.load(scale_rows, mask=ok, other=0.0)
+    return scales
+
+
+@triton.jit
+def _key_tile(value_rows, scales, ok, D: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr,
+              TABLE: tl.constexpr):
+    """Keys of one tile and its loaded scales (``_load_scales``) as (e4m3 [BLOCK_N, D] in
+    ``_key_columns`` order, per-token fp32 factor [BLOCK_N]); rows not ok read 0."""
+    if MXFP4 and TABLE:
+        keys, factor = _mxfp4_key_tile_table(value_rows, scales, ok, D, ASM)
+    elif MXFP4:
+        keys, factor = _mxfp4_key_tile(value_rows, scales, ok, D, ASM)
     else:
         d = tl.arange(0, D)
         keys = tl.load(value_rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-        factor = tl.load(scale_rows, mask=ok, other=0.0)
+        factor = scales
     return keys, factor
 
 
@@ -165,6 +302,15 @@ def _store_tile(out_ptr, out_stride, rows, row_ok, cols, num_cols, scores):
 
 
 @triton.jit
+def _tile_page(bt_row, block, live, max_blocks, num_pages):
+    """(page id as int64, readable): block table entry ``block`` (a scalar); entries past the
+    table, negative or past the pool are unreadable and give page 0."""
+    page = tl.load(bt_row + block, mask=live & (block < max_blocks), other=-1)
+    ok = (page >= 0) & (page < num_pages)
+    return tl.where(ok, page, 0).to(tl.int64), ok
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,            # [B * NEXT_N * H, D] e4m3
     w_ptr,            # [B * NEXT_N, H] fp32
@@ -175,7 +321,7 @@ def _paged_decode_kernel(
     out_ptr,          # [B * NEXT_N, max_model_len] fp32
     num_pages, max_blocks, bt_stride, page_stride, scale_stride, max_model_len, out_stride,
     NEXT_N: tl.constexpr, ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PER_ROW: tl.constexpr,
-    MXFP4: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    MXFP4: tl.constexpr, ASM: tl.constexpr, TABLE: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
 ):
     PAGE: tl.constexpr = 64
     VALUE_BYTES: tl.constexpr = D // 2 if MXFP4 else D
@@ -196,27 +342,39 @@ def _paged_decode_kernel(
     m = tl.arange(0, ROWS * H)
     m_ok = (m // H) < NEXT_N
     w = tl.load(w_ptr + b * NEXT_N * H + m, mask=m_ok, other=0.0)
-    q = _load_queries(q_ptr + b * NEXT_N * H * D, m, m_ok, tl.arange(0, D), D)
+    q = _load_queries(q_ptr + b * NEXT_N * H * D, m, m_ok, _key_columns(D, MXFP4, TABLE), D)
 
     num_scored = loop_bound(tl.minimum(tl.maximum(tl.cdiv(longest - col0, BLOCK_N), 0), TILES))
+    # A tile is one page. Its scales are loaded a tile ahead and their page id two ahead, so no
+    # load in the loop waits for another (the key values are prefetched by Triton's pipeliner):
+    # otherwise the scale load follows the block-table load and both latencies stall every tile
+    # (H200, B=64, 128K, H=64: 320 -> 291 us).
+    tok = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b * bt_stride
+    blk0 = col0 // PAGE
+    page, ok = _tile_page(bt_row, blk0, num_scored > 0, max_blocks, num_pages)
+    scales_next = _load_scales(scales_ptr + page * scale_stride + tok * SCALES_PER_TOKEN,
+                               ok & (col0 + tok < longest), D, MXFP4)
+    page_ahead = tl.load(bt_row + blk0 + 1, mask=(num_scored > 1) & (blk0 + 1 < max_blocks), other=-1)
     for t in range(num_scored):
-        cols = col0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        block = cols // PAGE
-        page = tl.load(bt_ptr + b * bt_stride + block, mask=(block < max_blocks) & (cols < longest), other=-1)
-        ok = (page >= 0) & (page < num_pages)
-        page = tl.where(ok, page, 0).to(tl.int64)
-        token = cols % PAGE
-        keys, factor = _key_tile(values_ptr + page * page_stride + token * VALUE_BYTES,
-                                 scales_ptr + page * scale_stride + token * SCALES_PER_TOKEN,
-                                 ok, D, MXFP4, ASM)
+        cols = col0 + t * BLOCK_N + tok
+        scales = scales_next
+        ok_ahead = (page_ahead >= 0) & (page_ahead < num_pages)
+        scales_next = _load_scales(
+            scales_ptr + tl.where(ok_ahead, page_ahead, 0).to(tl.int64) * scale_stride + tok * SCALES_PER_TOKEN,
+            ok_ahead & (cols + BLOCK_N < longest), D, MXFP4)
+        page_ahead = tl.load(bt_row + blk0 + t + 2, mask=(t + 2 < num_scored) & (blk0 + t + 2 < max_blocks), other=-1)
+        page, ok = _tile_page(bt_row, blk0 + t, True, max_blocks, num_pages)
+        live = ok & (cols < longest)
+        keys, factor = _key_tile(values_ptr + page * page_stride + tok * VALUE_BYTES, scales, live, D, MXFP4, ASM, TABLE)
         scores = _head_sum(tl.dot(keys, tl.trans(q)), w, ROWS, H, BLOCK_N) * factor[:, None]
-        visible = ok[:, None] & (cols[:, None] < lens[None, :])
+        visible = live[:, None] & (cols[:, None] < lens[None, :])
         scores = tl.where(visible, scores, float("-inf"))
         _store_tile(out_ptr, out_stride, rows, row_ok, cols, max_model_len, scores)
 
     blank = tl.full([BLOCK_N, ROWS], float("-inf"), tl.float32)
     for t in range(num_scored, TILES):
-        cols = col0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = col0 + t * BLOCK_N + tok
         _store_tile(out_ptr, out_stride, rows, row_ok, cols, max_model_len, blank)
 
 
@@ -230,7 +388,7 @@ def _ragged_prefill_kernel(
     out_ptr,          # [M, N] fp32
     num_rows, num_keys, out_stride,
     ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-    MXFP4: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    MXFP4: tl.constexpr, ASM: tl.constexpr, TABLE: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
 ):
     VALUE_BYTES: tl.constexpr = D // 2 if MXFP4 else D
     SCALES_PER_TOKEN: tl.constexpr = D // 32 if MXFP4 else 1
@@ -248,7 +406,7 @@ def _ragged_prefill_kernel(
     m = tl.arange(0, ROWS * H)
     m_ok = (row0 + m // H) < num_rows
     w = tl.load(w_ptr + row0 * H + m, mask=m_ok, other=0.0)
-    q = _load_queries(q_ptr + row0.to(tl.int64) * H * D, m, m_ok, tl.arange(0, D), D)
+    q = _load_queries(q_ptr + row0.to(tl.int64) * H * D, m, m_ok, _key_columns(D, MXFP4, TABLE), D)
 
     # Tiles [lo, hi) of this program meet some row's window; the others are all -inf.
     lo = tl.minimum(tl.maximum((first - col0) // BLOCK_N, 0), TILES)
@@ -262,8 +420,8 @@ def _ragged_prefill_kernel(
         cols = col0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = cols < num_keys
         key = cols.to(tl.int64)
-        keys, factor = _key_tile(values_ptr + key * VALUE_BYTES, scales_ptr + key * SCALES_PER_TOKEN,
-                                 ok, D, MXFP4, ASM)
+        scales = _load_scales(scales_ptr + key * SCALES_PER_TOKEN, ok, D, MXFP4)
+        keys, factor = _key_tile(values_ptr + key * VALUE_BYTES, scales, ok, D, MXFP4, ASM, TABLE)
         scores = _head_sum(tl.dot(keys, tl.trans(q)), w, ROWS, H, BLOCK_N) * factor[:, None]
         inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
         scores = tl.where(inside, scores, float("-inf"))
@@ -271,6 +429,13 @@ def _ragged_prefill_kernel(
     for t in range(hi, TILES):
         cols = col0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
         _store_tile(out_ptr, out_stride, rows, row_ok, cols, num_keys, blank)
+
+
+def _table_decode(cfg: dict, values: torch.Tensor) -> bool:
+    """Whether an MXFP4 launch uses the "table" decode; it reads 32-bit words, so the key rows
+    must be 4-byte aligned (cache pages always are), else the byte-wise "v1" decode runs."""
+    check_launch(cfg["mxfp4_decode"] in MXFP4_DECODES, f"mxfp4_decode one of {MXFP4_DECODES}")
+    return cfg["mxfp4_decode"] == "table" and values.data_ptr() % 4 == 0 and values.stride(0) % 4 == 0
 
 
 def launch_paged_decode(
@@ -286,25 +451,28 @@ def launch_paged_decode(
 ) -> None:
     """Fill ``out [B*next_n, max_model_len]``; ``values``/``scales`` are the page views of the format,
     ``context_lens`` is per row ``[B, next_n]`` or per request ``[B]`` (unclamped)."""
-    cfg = {**DECODE_CONFIG, **(config or {})}
+    cfg = {**DECODE_CONFIG, **(MXFP4_DECODE_CONFIG if mxfp4 else {}), **(config or {})}
     batch, next_n, num_heads, head_dim = q.shape
     check_launch(q.is_contiguous() and weights.is_contiguous() and context_lens.is_contiguous(),
                  "q, weights and context_lens contiguous")
     check_launch(context_lens.dtype == torch.int32 and context_lens.dim() in (1, 2), "context_lens int32 [B] or [B, next_n]")
     check_launch(values.stride()[1:] == (values.shape[2], 1) and block_table.stride(1) == 1,
                  "contiguous page rows and block_table rows")
-    check_launch(out.is_contiguous() and cfg["BLOCK_N"] % KERNEL_PAGE_SIZE == 0,
-                 "contiguous out and BLOCK_N a multiple of the kernel page")
+    check_launch(out.is_contiguous() and cfg["BLOCK_N"] == KERNEL_PAGE_SIZE,
+                 "contiguous out and BLOCK_N equal to the kernel page (a tile is one page)")
     max_model_len = out.shape[1]
     grid = (triton.cdiv(max_model_len, cfg["BLOCK_N"] * cfg["TILES"]), batch)
+    rows = triton.next_power_of_2(next_n)
+    capped = cfg.get("maxnreg") and PTX_AVAILABLE and rows * num_heads <= cfg.get("maxnreg_cols", 0)
+    extra = {"maxnreg": cfg["maxnreg"]} if capped else {}
     _paged_decode_kernel[grid](
         q, weights, context_lens, values, scales, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0),
         values.stride(0), scales.stride(0), max_model_len, out.stride(0),
-        NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads, D=head_dim,
+        NEXT_N=next_n, ROWS=rows, H=num_heads, D=head_dim,
         PER_ROW=context_lens.dim() == 2, MXFP4=mxfp4, ASM=cfg["mxfp4_asm"],
-        BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TABLE=mxfp4 and _table_decode(cfg, values), BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
 
 
@@ -329,6 +497,6 @@ def launch_ragged_prefill(
     _ragged_prefill_kernel[grid](
         q, weights, ks, ke, k_values, k_scales, out, num_rows, num_keys, out.stride(0),
         ROWS=cfg["ROWS"], H=num_heads, D=head_dim, MXFP4=mxfp4, ASM=cfg["mxfp4_asm"],
-        BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"],
+        TABLE=mxfp4 and _table_decode(cfg, k_values), BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

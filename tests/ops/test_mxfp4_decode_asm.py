@@ -1,0 +1,103 @@
+"""The MXFP4 -> e4m3 "table" decode is inline PTX that only runs on a GPU. This runs the
+kernel's own asm text through a small model of the PTX instructions it uses and checks it
+bit-exact against the plain-op decode (``_nibble_to_e4m3``) that the interpreter runs, for
+every byte value in every byte position of a word, every kept group offset and dropped groups."""
+
+import random
+
+import pytest
+
+pytest.importorskip("triton")
+
+from dsacache.ops.indexer_logits.triton_kernels import _TABLE_ASM  # noqa: E402
+
+M32 = 0xFFFFFFFF
+ASM = _TABLE_ASM.value if hasattr(_TABLE_ASM, "value") else _TABLE_ASM
+
+
+def prmt(a, b, c):
+    """prmt.b32, default mode: bytes 0..7 of {b, a}; selector nibble bit 3 replicates the msb."""
+    src = ((b & M32) << 32) | (a & M32)
+    out = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = (src >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0x00
+        out |= byte << (8 * i)
+    return out
+
+
+def s32(x):
+    x &= M32
+    return x - (1 << 32) if x & 0x80000000 else x
+
+
+OPS = {
+    "setp.ge.s32": lambda v: s32(v[0]) >= s32(v[1]),
+    "mad.lo.s32": lambda v: (s32(v[0]) * s32(v[1]) + s32(v[2])) & M32,
+    "xor.b32": lambda v: v[0] ^ v[1],
+    "prmt.b32": lambda v: prmt(*v),
+    "shl.b32": lambda v: (v[0] << v[1]) & M32,
+    "shr.u32": lambda v: v[0] >> v[1],
+    "add.u32": lambda v: (v[0] + v[1]) & M32,
+}
+
+
+def run_asm(word, t):
+    regs = {"$2": word & M32, "$6": t & M32}
+
+    def value(token):
+        return regs[token] if token in regs else int(token, 0) & M32
+
+    for line in ASM.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *srcs = [x.strip() for x in args.split(",")]
+        if op == "selp.b32":
+            regs[dst] = value(srcs[0]) if regs[srcs[2]] else value(srcs[1])
+        elif op in OPS:
+            regs[dst] = OPS[op]([value(s) for s in srcs])
+        else:
+            raise AssertionError(f"PTX the model does not know: {line}")
+    return regs["$0"], regs["$1"]
+
+
+def nibble_to_e4m3(code, offset):
+    """``_nibble_to_e4m3`` in plain ints (offset 8 t, or 0x80 for a dropped group)."""
+    mag = code & 7
+    base = 8 if mag == 1 else 4 * mag + 8
+    byte = (0 if mag == 0 else base + offset) | ((code & 8) << 4)
+    return 0 if offset >= 0x80 else byte
+
+
+def check_word(word, t):
+    lo, hi = run_asm(word, t)
+    offset = 0x80 if t < 0 else 8 * t
+    for half, got in enumerate((lo, hi)):
+        for j in range(4):
+            code = (word >> (4 * (4 * half + j))) & 0xF
+            assert (got >> (8 * j)) & 0xFF == nibble_to_e4m3(code, offset), (hex(word), t, half, j)
+
+
+@pytest.mark.parametrize("t", list(range(-3, 12)) + [-13])
+def test_table_asm_every_byte_in_every_position(t):
+    rng = random.Random(t)
+    for pos in range(4):
+        for value in range(256):
+            filler = rng.getrandbits(32) & ~(0xFF << (8 * pos))
+            check_word(filler | (value << (8 * pos)), t)
+
+
+def test_the_model_catches_a_wrong_table():
+    global ASM
+    saved = ASM
+    ASM = ASM.replace("0x24201C18", "0x24201C1C")
+    try:
+        with pytest.raises(AssertionError):
+            for value in range(256):
+                check_word(value * 0x01010101, 0)
+    finally:
+        ASM = saved
