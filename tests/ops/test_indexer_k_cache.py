@@ -291,6 +291,90 @@ def test_fused_mxfp4_ties_through_bias(device):
         pool.assert_only_slots_written(slots)
 
 
+E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def e2m1_hard_groups(dtype, scales):
+    """Rows ``[n, 128]`` of 32-value groups in ``dtype``: at each power-of-two scale, every e2m1
+    grid value and tie, the neighbours of each tie and of 1, 2, 4 one ``dtype`` step away, both
+    signs (each group holds +-6, so the scale is the given one); then zero, -0, inf/NaN, all-NaN
+    (both signs) and all -inf groups, padded with random groups."""
+    base = torch.tensor(E2M1_TIES, dtype=dtype)
+    up = torch.nextafter(base, torch.full_like(base, float("inf")))
+    down = torch.nextafter(base, torch.zeros_like(base))
+    powers = torch.tensor([1.0, 2.0, 4.0], dtype=dtype)
+    below = torch.nextafter(powers, torch.zeros_like(powers))
+    grid = torch.tensor(E2M1, dtype=dtype)
+    positive = torch.cat([grid, base, up, down, below])          # 8 + 7 * 3 + 3 = 32 values
+    groups = []
+    for scale in scales:
+        for sign in (1.0, -1.0):
+            groups.append(positive * sign * 2.0 ** scale)
+    special = torch.zeros(32, dtype=dtype)
+    special[:6] = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan"), 1.5, -2.5])
+    groups += [torch.zeros(32, dtype=dtype), -torch.zeros(32, dtype=dtype), special,
+               torch.full((32,), float("nan"), dtype=dtype), -torch.full((32,), float("nan"), dtype=dtype),
+               torch.full((32,), -float("inf"), dtype=dtype)]
+    while len(groups) % 4:
+        groups.append(torch.randn(32).to(dtype))
+    return torch.cat(groups).view(-1, 128)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("dtype,scales", [(torch.bfloat16, (0, -10, 100, -120)), (torch.float16, (0, -10, 10)),
+                                          (torch.float32, (0, -10, 100, -120))])
+def test_mxfp4_store_variants_bit_identical(device, variant, dtype, scales):
+    """Each MXFP4 encoder against the reference codec, byte for byte: hand-picked values in
+    every key dtype (bf16 and fp16 take the lean encoder's short-mantissa path) and random keys."""
+    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+
+    rows = e2m1_hard_groups(dtype, scales)
+    x = torch.cat([rows, random_keys(6, 128, dtype, "cpu")]).to(device)
+    slots = torch.randperm(3 * PAGE)[: x.shape[0]].to(device)
+    tri, ref = PackedPool("mxfp4", 128, 3, device), PackedPool("mxfp4", 128, 3, device)
+    launch_store(x, tri.pages, slots, "mxfp4", mxfp4_variant=variant)
+    naive.store_quantized(x.float(), ref.pages, slots, "mxfp4")
+    assert torch.equal(tri.raw, ref.raw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", [0, 1])
+def test_fused_mxfp4_variants_hand_picked(device, variant):
+    """Hand-picked fp32 LayerNorm outputs (through the bias, k = 0 and weight = -1) reach each
+    fused encoder unchanged and come out as the reference codec's bytes."""
+    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+
+    rows = e2m1_hard_groups(torch.float32, (0, -10, 100, -120))
+    weight = -torch.ones(128, device=device)
+    zeros = torch.zeros(3, 128, device=device)
+    slots = torch.tensor([0, 70, 5], device=device)
+    for bias in rows:
+        pool = PackedPool("mxfp4", 128, 2, device)
+        launch_store(zeros, pool.pages, slots, "mxfp4", weight, bias.to(device), 1e-6, mxfp4_variant=variant)
+        packed, scales = quantize_mxfp4(bias)
+        for s in slots.tolist():
+            values, scale_bytes = pool.raw_entry(s)
+            assert torch.equal(values, packed) and torch.equal(scale_bytes, scales)
+        pool.assert_only_slots_written(slots)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_mxfp4_variants_agree(device):
+    """Random keys and LayerNorm parameters: the encoders store the same bytes (same norm code)."""
+    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+
+    k = random_keys(20 if device == "cpu" else 4096, 128, torch.bfloat16, device)
+    weight, bias = torch.randn(128, device=device), torch.randn(128, device=device) * 0.1
+    slots = torch.randperm(k.shape[0] + 8)[: k.shape[0]].to(device)
+    raws = []
+    for variant in (0, 1):
+        pool = PackedPool("mxfp4", 128, k.shape[0] // PAGE + 2, device)
+        launch_store(k, pool.pages, slots, "mxfp4", weight, bias, 1e-6, mxfp4_variant=variant)
+        raws.append(pool.raw)
+    assert torch.equal(raws[0], raws[1])
+
+
 # ---- byte layout and round trip -------------------------------------------------------
 
 def e4m3_half_step(y):

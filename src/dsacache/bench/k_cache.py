@@ -9,6 +9,8 @@ Every case is checked against the PyTorch reference (and for stray writes) first
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
@@ -23,6 +25,9 @@ from dsacache.ops.indexer_k_cache import (
 from dsacache.ops.indexer_k_cache import naive
 
 SENTINEL = 0xA5
+#: From this many tokens on, a store is timed over REPEATS slot permutations.
+LARGE = 1 << 16
+REPEATS = 5
 #: (format, mode): "plain" is the public plain store, "fused" the LayerNorm insert, "quant" the
 #: internal MXFP4 launcher without the norm (the public plain store refuses MXFP4 by rule).
 CASES = (("fp8", "plain"), ("fp8", "fused"), ("mxfp4", "fused"), ("mxfp4", "quant"))
@@ -137,6 +142,8 @@ def _store_rows(args, fmt, num_pages, launch_ms):
             _clear(fmt, pool, args.head_dim, slots)
             nbytes = n * (k.element_size() * args.head_dim + pool.entry)
             extra = {"eager_us": round(eager_ms * 1e3, 1)}
+            if n >= LARGE:
+                ms, extra["spread_us"] = _repeated_ms(fmt, mode, k, weight, bias, pool, num_pages, ms)
             if n <= 64:
                 extra.update(launch_graph_us=round(launch_ms[0] * 1e3, 2), launch_eager_us=round(launch_ms[1] * 1e3, 1))
             rows.append(BenchRow(f"store {fmt} {mode}", f"T={n} D={args.head_dim} bf16 random", ms, nbytes,
@@ -145,6 +152,17 @@ def _store_rows(args, fmt, num_pages, launch_ms):
     del pool
     torch.cuda.empty_cache()
     return rows
+
+
+def _repeated_ms(fmt, mode, k, weight, bias, pool, num_pages, first_ms):
+    """Median over REPEATS slot permutations (the first already timed) of the graph median, and
+    the range: with random slots over a ~16 GB pool one permutation can be ~10 % off another."""
+    times = [first_ms]
+    for _ in range(REPEATS - 1):
+        slots = torch.randperm(num_pages * KERNEL_PAGE_SIZE, device="cuda")[:k.shape[0]]
+        times.append(time_graph(_store_fn(fmt, mode, k, weight, bias, pool.pages, slots)))
+    pool.raw.fill_(SENTINEL)  # pristine again for the next case's stray-write check
+    return statistics.median(times), f"{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}"
 
 
 def _extra_store_rows(args, fmt, pool, num_pages):
@@ -166,6 +184,7 @@ def _extra_store_rows(args, fmt, pool, num_pages):
     if args.sweep:
         for sweep_mode in ("plain", "fused") if fmt == "fp8" else ("fused", "quant"):
             rows += _sweep_rows(args, fmt, sweep_mode, pool, k, weight, bias, slots, nbytes)
+            rows += _hints_rows(args, fmt, sweep_mode, pool, k, weight, bias, slots, nbytes)
     rows += _gather_rows(args, fmt, pool, num_pages)
     return rows
 
@@ -175,12 +194,33 @@ def _sweep_rows(args, fmt, mode, pool, k, weight, bias, slots, nbytes):
     norm = {"weight": weight, "bias": bias, "eps": 1e-6} if mode == "fused" else {}
     from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
 
-    for tokens_per_program in (16, 32, 64):
-        for num_warps in (2, 4):
-            ms = time_graph(lambda: launch_store(k, pool.pages, slots, fmt, tokens_per_program=tokens_per_program,
-                                                 num_warps=num_warps, **norm))
-            rows.append(BenchRow(f"sweep {fmt} {mode}", f"T={k.shape[0]} tpp={tokens_per_program} w={num_warps}",
-                                 ms, nbytes, args.ceiling_gbps))
+    # MXFP4: every encoder (``mxfp4_variant``) at every shape; each one's bytes checked first.
+    variants = (0, 1) if fmt == "mxfp4" else (None,)
+    for variant in variants:
+        extra = {} if variant is None else {"mxfp4_variant": variant}
+        if variant is not None:
+            launch_store(k, pool.pages, slots, fmt, **extra, **norm)
+            _check_store(fmt, mode, pool, k, weight, bias, slots)
+        tag = "" if variant is None else f" enc={variant}"
+        for tokens_per_program in (16, 32, 64):
+            for num_warps in (2, 4):
+                ms = time_graph(lambda: launch_store(k, pool.pages, slots, fmt, tokens_per_program=tokens_per_program,
+                                                     num_warps=num_warps, **extra, **norm))
+                rows.append(BenchRow(f"sweep {fmt} {mode}",
+                                     f"T={k.shape[0]} tpp={tokens_per_program} w={num_warps}{tag}",
+                                     ms, nbytes, args.ceiling_gbps))
+    return rows
+
+
+def _hints_rows(args, fmt, mode, pool, k, weight, bias, slots, nbytes):
+    """The store with each L2 hint setting (``STORE_HINTS``), default launch shape."""
+    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+
+    norm = {"weight": weight, "bias": bias, "eps": 1e-6} if mode == "fused" else {}
+    rows = []
+    for hints in (0, 1, 2):
+        ms = time_graph(lambda: launch_store(k, pool.pages, slots, fmt, hints=hints, **norm))
+        rows.append(BenchRow(f"hints {fmt} {mode}", f"T={k.shape[0]} hints={hints}", ms, nbytes, args.ceiling_gbps))
     return rows
 
 

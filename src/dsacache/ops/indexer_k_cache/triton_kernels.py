@@ -74,6 +74,13 @@ def _e4m3_encode_int(y):
     return tl.where(y != y, 0x7F, code) | sign
 
 
+#: L2 hints of the stores (``HINTS``): 0 none; 1 scales ``evict_last``; 2 also keys read and values
+#: written ``evict_first``. Scales are 4-byte (FP8) or 4 x 1-byte (MXFP4) pieces of 32-byte sectors
+#: that other tokens of the same page fill later: kept in L2, a page's sectors leave it whole
+#: instead of as partial writes.
+STORE_HINTS = 1
+
+
 @triton.jit
 def _store_fp8_kernel(
     k_ptr,          # [num_tokens, D] bf16/fp16/fp32, strides (stride_kt, stride_kd)
@@ -82,15 +89,18 @@ def _store_fp8_kernel(
     pages_ptr,      # uint8 base of the layer's pages [num_pages, PAGE, entry], page stride page_stride
     num_tokens, num_slots, stride_kt, stride_kd, page_stride, eps,
     D: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HINTS: tl.constexpr,
 ):
+    STREAM: tl.constexpr = "evict_first" if HINTS >= 2 else ""
+    KEEP: tl.constexpr = "evict_last" if HINTS >= 1 else ""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     mask_t = offs_t < num_tokens
     # The key load does not wait for the slot load: both are in flight at once.
     k_rows = k_ptr + offs_t.to(tl.int64)[:, None] * stride_kt + offs_d[None, :] * stride_kd
-    x = tl.load(k_rows, mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_D]
+    x = tl.load(k_rows, mask=mask_t[:, None] & mask_d[None, :], other=0.0,
+                eviction_policy=STREAM).to(tl.float32)  # [BLOCK_T, BLOCK_D]
     slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
     if NORM:
@@ -115,9 +125,10 @@ def _store_fp8_kernel(
         codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     page_ptr = pages_ptr + (slot // PAGE) * page_stride
     row = slot % PAGE
-    tl.store(page_ptr[:, None] + row[:, None] * D + offs_d[None, :], codes, mask=valid[:, None] & mask_d[None, :])
+    tl.store(page_ptr[:, None] + row[:, None] * D + offs_d[None, :], codes, mask=valid[:, None] & mask_d[None, :],
+             eviction_policy=STREAM)
     scale_ptr = (page_ptr + PAGE * D + row * 4).to(tl.pointer_type(tl.float32))
-    tl.store(scale_ptr, _pow2(exp), mask=valid)
+    tl.store(scale_ptr, _pow2(exp), mask=valid, eviction_policy=KEEP)
 
 
 @triton.jit
@@ -169,6 +180,113 @@ def _load_pair_halves(ptr, pair, mask, FP32_PAIRS: tl.constexpr):
         return even, tl.load(ptr + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
 
 
+#: MXFP4 encoders (``ENCODE``): 0 the first one (per-element sign, byte-wise packing, int64 slot
+#: math, byte scale stores); 1 the leaner one below (~3.5 fewer instructions an element).
+MXFP4_ENCODE = 1
+
+# |y| of a LayerNorm output goes through ``mul.sat`` at 1/8 scale: [0, 0.75] for finite values,
+# inf -> 1, NaN -> 0 (the clamp's NaN half for free).
+_SAT_MUL_ASM = tl.constexpr("{ .reg .f32 m; abs.f32 m, $1; mul.rn.sat.f32 $0, m, $2; }")
+
+
+# max(bits - K, 23 << 23) with K = (104 - DOMAIN) << 23, for DOMAIN 0 and 3 (see _e2m1_code_bits).
+_MAGIC_ASM = tl.constexpr("{ .reg .s32 t; add.s32 t, $1, -872415232; max.s32 $0, t, 192937984; }")
+_MAGIC_ASM_SAT = tl.constexpr("{ .reg .s32 t; add.s32 t, $1, -847249408; max.s32 $0, t, 192937984; }")
+
+
+@triton.jit
+def _sat_magnitude(y, inv_scale8, INTERPRET: tl.constexpr):
+    """``min(|y| * inv_scale8, 0.75)``, NaN -> 0 (``inv_scale8`` = 1/8 of the inverse scale)."""
+    if INTERPRET:
+        return tl.where(y == y, tl.minimum(tl.abs(y) * inv_scale8, 0.75), 0.0)
+    else:
+        a = tl.inline_asm_elementwise(_SAT_MUL_ASM, "=f,f,f", [y, inv_scale8], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return tl.minimum(a, 0.75)
+
+
+@triton.jit
+def _clamped_magnitude(y, INTERPRET: tl.constexpr):
+    """``min(|y|, 6)``, NaN -> 0 (max/min return the operand that is not NaN)."""
+    if INTERPRET:
+        return tl.where(y == y, tl.minimum(tl.abs(y), 6.0), 0.0)
+    else:
+        return tl.minimum(tl.maximum(tl.abs(y), 0.0), 6.0)
+
+
+@triton.jit
+def _e2m1_code_bits(a, DOMAIN: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Magnitudes ``a`` in ``[0, 6 / 2**DOMAIN]`` -> ``code << 22`` (int32) of ``a * 2**DOMAIN``
+    rounded to the e2m1 grid, half to even.
+
+    ``M = 2**(22 + max(E, 0))`` (``E`` the exponent of ``a * 2**DOMAIN``) has an ulp of the
+    e2m1 step there, so ``(a + M) - M`` rounds; kept as ``M' = M * 2**-126`` the subtraction
+    also lands the result ``r * 2**-126``, whose bits are e2m1's own (bias 1, one mantissa
+    bit) at bits 22..24: two FFMA and no multiply. ``EXACT=False`` keeps the mantissa of
+    ``a`` in ``M`` (one op less): right for inputs of at most 21 significant bits (bf16, fp16
+    keys scaled by a power of two) since ``a + M`` then stays in ``M``'s binade, and ties,
+    having short mantissas, still see an even ``M``.
+    """
+    bits = a.to(tl.int32, bitcast=True)
+    if EXACT:
+        bits = bits & 0x7F800000
+    # Exponent field of M': max(E, 0) - 104 + 127, with a's own exponent offset by DOMAIN.
+    offset: tl.constexpr = -((104 - DOMAIN) << 23)
+    if INTERPRET:
+        magic = tl.maximum(bits + offset, 23 << 23)
+    else:
+        # As written (add, then max) ptxas fuses it into one VIADDMNMX; LLVM would turn
+        # max(x - K, F) into max(x, F + K) - K, two instructions.
+        asm: tl.constexpr = _MAGIC_ASM_SAT if DOMAIN == 3 else _MAGIC_ASM
+        magic = tl.inline_asm_elementwise(asm, "=r,r", [bits], dtype=tl.int32, is_pure=True, pack=1)
+    magic = magic.to(tl.float32, bitcast=True)
+    up: tl.constexpr = 2.0 ** (126 - DOMAIN)
+    down: tl.constexpr = 2.0 ** (DOMAIN - 126)
+    t = magic * up + a
+    return (t * down - magic).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _pack_e2m1_words(v_even, v_odd, y_even, y_odd, INTERPRET: tl.constexpr):
+    """e2m1 ``code << 22`` of even and odd elements ``[G, T, 4 (j), 4 (l)]`` plus the signs
+    of ``y`` -> the 32-bit words ``[G, T, 4]`` (byte l: even nibble low, odd nibble high).
+
+    With the sign OR-ed in at bit 31, one ``umulhi`` by ``2**(p + 10)`` moves an element's code
+    to bits p..p+2 and its sign to p+9; two accumulators (l = 0, 2 and l = 1, 3) hold codes at
+    p = 0, 4, 16, 20 and signs at 9, 13, 25, 29, so a shift by 6 and one LOP3 complete bytes
+    0 and 2 of each, and a byte permute interleaves the two: ~2.6 instructions an element.
+    NaN (any sign) is stored as +0.
+    """
+    if INTERPRET:
+        sign_even = tl.where(y_even == y_even, y_even.to(tl.int32, bitcast=True), 0) & -2147483648
+        sign_odd = tl.where(y_odd == y_odd, y_odd.to(tl.int32, bitcast=True), 0) & -2147483648
+    else:
+        # y comes out of an FMUL/FFMA: NaN is the positive canonical NaN.
+        sign_even = y_even.to(tl.int32, bitcast=True) & -2147483648
+        sign_odd = y_odd.to(tl.int32, bitcast=True) & -2147483648
+    u_even = v_even | sign_even
+    u_odd = v_odd | sign_odd
+    lh = tl.arange(0, 4)[None, None, None, :] >> 1
+    if INTERPRET:
+        shift = 22 - 16 * lh
+        terms = ((u_even.to(tl.uint32, bitcast=True) >> shift) +
+                 (u_odd.to(tl.uint32, bitcast=True) >> (shift - 4))).to(tl.int32, bitcast=True)
+    else:
+        terms = tl.umulhi(u_even, 1024 << (16 * lh)) + tl.umulhi(u_odd, 16384 << (16 * lh))
+    G: tl.constexpr = terms.shape[0]
+    T: tl.constexpr = terms.shape[1]
+    # l = 2 lh + ll: summing over lh leaves the accumulators of ll = 0 and ll = 1.
+    acc = tl.sum(tl.reshape(terms, (G, T, 4, 2, 2)), axis=3)
+    acc_a, acc_b = tl.split(acc)
+    half_a = (acc_a & 0x77777777) | ((acc_a >> 6) & -2004318072)   # 0x88888888
+    half_b = (acc_b & 0x77777777) | ((acc_b >> 6) & -2004318072)
+    if INTERPRET:
+        return (half_a & 0x00FF00FF) | ((half_b << 8) & -16711936)  # 0xFF00FF00
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x6240;", "=r,r,r", [half_a, half_b],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
 @triton.jit
 def _store_mxfp4_kernel(
     k_ptr,          # [num_tokens, D] bf16/fp16/fp32, strides (stride_kt, stride_kd)
@@ -177,13 +295,16 @@ def _store_mxfp4_kernel(
     pages_ptr,      # uint8 base of the layer's pages [num_pages, PAGE, entry], 4-byte aligned
     num_tokens, num_slots, stride_kt, stride_kd, page_stride, eps,
     D: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr, PAIRS: tl.constexpr, NORM_PAIRS: tl.constexpr,
-    INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+    INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, HINTS: tl.constexpr,
+    ENCODE: tl.constexpr = 0, EXACT: tl.constexpr = True,
 ):
     # Elements 2q and 2q + 1 of a row, pair q = 16 g + 4 j + l, live at [g, t, j, l] of two
     # [BLOCK_G, BLOCK_T, 4, 4] tensors (even, odd). l is one 16-byte vector and the load
     # layout spreads lanes over g, then t, so j is a register repeat: one thread owns whole
     # 32-value groups (no shuffles for the group max), both nibbles of each byte (no split),
     # and the 4 bytes of l pack into one 32-bit word.
+    STREAM: tl.constexpr = "evict_first" if HINTS >= 2 else ""
+    KEEP: tl.constexpr = "evict_last" if HINTS >= 1 else ""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
     offs_g = tl.arange(0, BLOCK_G)
@@ -195,13 +316,19 @@ def _store_mxfp4_kernel(
     rows = k_ptr + offs_t.to(tl.int64)[None, :, None, None] * stride_kt
     if PAIRS:
         # bf16 keys with contiguous rows: one 32-bit load per pair, bf16 -> fp32 is a shift or a mask.
-        bits = tl.load(rows.to(tl.pointer_type(tl.int32)) + pair, mask=mask, other=0)
+        bits = tl.load(rows.to(tl.pointer_type(tl.int32)) + pair, mask=mask, other=0,
+                       eviction_policy=STREAM)
         even = (bits << 16).to(tl.float32, bitcast=True)
         odd = (bits & -65536).to(tl.float32, bitcast=True)
     else:
-        even = tl.load(rows + (2 * pair) * stride_kd, mask=mask, other=0.0).to(tl.float32)
-        odd = tl.load(rows + (2 * pair + 1) * stride_kd, mask=mask, other=0.0).to(tl.float32)
-    slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+        even = tl.load(rows + (2 * pair) * stride_kd, mask=mask, other=0.0,
+                       eviction_policy=STREAM).to(tl.float32)
+        odd = tl.load(rows + (2 * pair + 1) * stride_kd, mask=mask, other=0.0,
+                      eviction_policy=STREAM).to(tl.float32)
+    if ENCODE == 0:
+        slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+    else:
+        slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1)
     valid = (slot >= 0) & (slot < num_slots)
     if NORM:
         # weight and bias in the keys' shape (every row reads the same addresses), hence the
@@ -232,15 +359,44 @@ def _store_mxfp4_kernel(
     exp = tl.where(amax > 0, exp, -127)
     exp = tl.minimum(tl.maximum(exp, -127), 127)
     inv_scale = _pow2(-exp)[:, :, None, None]
-    byte = _e2m1_encode(even * inv_scale, INTERPRET) + _e2m1_encode(odd * inv_scale, INTERPRET) * 16
-    words = tl.sum(byte * (1 << (8 * offs_l4)), axis=3)                         # [BLOCK_G, BLOCK_T, 4 (j)]
-    page_ptr = pages_ptr + (slot // PAGE) * page_stride
-    row = slot % PAGE
+    if ENCODE == 0:
+        byte = _e2m1_encode(even * inv_scale, INTERPRET) + _e2m1_encode(odd * inv_scale, INTERPRET) * 16
+        words = tl.sum(byte * (1 << (8 * offs_l4)), axis=3)                     # [BLOCK_G, BLOCK_T, 4 (j)]
+        page_ptr = pages_ptr + (slot // PAGE) * page_stride
+        row = slot % PAGE
+    else:
+        if NORM:
+            # The LayerNorm output is an FFMA result (canonical NaN): it gives the signs, and
+            # mul.sat the clamped magnitudes at 1/8 scale in one op (the 1/8 may be subnormal).
+            inv_scale8 = inv_scale * 0.125
+            v_even = _e2m1_code_bits(_sat_magnitude(even, inv_scale8, INTERPRET), 3, EXACT, INTERPRET)
+            v_odd = _e2m1_code_bits(_sat_magnitude(odd, inv_scale8, INTERPRET), 3, EXACT, INTERPRET)
+        else:
+            # Raw keys may hold -NaN: the signs come from the scaled values (an FMUL) instead.
+            even = even * inv_scale
+            odd = odd * inv_scale
+            v_even = _e2m1_code_bits(_clamped_magnitude(even, INTERPRET), 0, EXACT, INTERPRET)
+            v_odd = _e2m1_code_bits(_clamped_magnitude(odd, INTERPRET), 0, EXACT, INTERPRET)
+        words = _pack_e2m1_words(v_even, v_odd, even, odd, INTERPRET)           # [BLOCK_G, BLOCK_T, 4 (j)]
+        # Valid slots are below num_slots < 2**31: page and row in 32-bit unsigned math.
+        slot32 = slot.to(tl.int32).to(tl.uint32, bitcast=True)
+        page_ptr = pages_ptr + (slot32 // PAGE).to(tl.int64) * page_stride
+        row = (slot32 % PAGE).to(tl.int32)
     word_ptr = (page_ptr + row * (D // 2)).to(tl.pointer_type(tl.int32))[None, :, None]
     offs_w = offs_g[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]
-    tl.store(word_ptr + offs_w, words, mask=valid[None, :, None] & (offs_g < D // 32)[:, None, None])
-    scale_ptr = page_ptr[None, :] + PAGE * (D // 2) + row[None, :] * (D // 32) + offs_g[:, None]
-    tl.store(scale_ptr, (exp + 127).to(tl.uint8), mask=valid[None, :] & (offs_g < D // 32)[:, None])
+    tl.store(word_ptr + offs_w, words, mask=valid[None, :, None] & (offs_g < D // 32)[:, None, None],
+             eviction_policy=STREAM)
+    if ENCODE != 0 and D % 128 == 0 and BLOCK_G == D // 32:
+        # A token's scale bytes are whole 4-byte aligned words: one 32-bit store per 4 groups.
+        shifted = (exp + 127) << (8 * (offs_g % 4))[:, None]
+        scale_words = tl.sum(tl.reshape(shifted, (BLOCK_G // 4, 4, BLOCK_T)), axis=1)   # [BLOCK_G / 4, BLOCK_T]
+        scale_ptr = (page_ptr + PAGE * (D // 2) + row * (D // 32)).to(tl.pointer_type(tl.int32))
+        tl.store(scale_ptr[None, :] + tl.arange(0, BLOCK_G // 4)[:, None], scale_words,
+                 mask=valid[None, :], eviction_policy=KEEP)
+    else:
+        scale_ptr = page_ptr[None, :] + PAGE * (D // 2) + row[None, :] * (D // 32) + offs_g[:, None]
+        tl.store(scale_ptr, (exp + 127).to(tl.uint8), mask=valid[None, :] & (offs_g < D // 32)[:, None],
+                 eviction_policy=KEEP)
 
 
 def _interpreted() -> bool:
@@ -253,12 +409,15 @@ def _tokens_per_program(num_tokens: int, block: int) -> int:
 
 def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tensor, fmt: str,
                  weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 eps: float = 0.0, tokens_per_program: int | None = None, num_warps: int = 2) -> None:
+                 eps: float = 0.0, tokens_per_program: int | None = None, num_warps: int = 2,
+                 hints: int | None = None, mxfp4_variant: int | None = None) -> None:
     """Quantize ``k [T, D]`` (LayerNorm first when ``weight`` is given) into ``pages`` at ``slot_mapping``.
 
     ``tokens_per_program`` and ``num_warps`` override the launch shape (the benchmark sweeps them;
-    at 1M tokens on the H200: FP8 16 tokens and 2 warps, MXFP4 32 tokens and 2 warps).
+    at 1M tokens on the H200: FP8 16 tokens and 2 warps, MXFP4 32 tokens and 2 warps); ``hints``
+    overrides :data:`STORE_HINTS` and ``mxfp4_variant`` :data:`MXFP4_ENCODE`.
     """
+    hints = STORE_HINTS if hints is None else hints
     num_tokens, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -276,7 +435,7 @@ def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tenso
         block_t = tokens_per_program or _tokens_per_program(num_tokens, block_d)
         _store_fp8_kernel[(triton.cdiv(num_tokens, block_t),)](
             *args, D=head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, INTERPRET=_interpreted(),
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
+            BLOCK_T=block_t, BLOCK_D=block_d, HINTS=hints, num_warps=num_warps)
         return
     pairs = k.dtype == torch.bfloat16 and k.stride(1) == 1 and k.stride(0) % 2 == 0 and k.data_ptr() % 4 == 0
     norm_pairs = norm and all(t.dtype == torch.float32 and t.data_ptr() % 8 == 0 for t in (weight, bias))
@@ -285,9 +444,13 @@ def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tenso
     # small ones keep one row a thread, the shortest path through a program.
     block_t = tokens_per_program or (32 if num_tokens >= _LARGE_BATCH else
                                      _tokens_per_program(num_tokens, block_g * MXFP4_GROUP_SIZE))
+    encode = MXFP4_ENCODE if mxfp4_variant is None else mxfp4_variant
+    if args[6] >= 2**31:
+        encode = 0  # the lean encoder does page/row math on 32-bit slots
     _store_mxfp4_kernel[(triton.cdiv(num_tokens, block_t),)](
         *args, D=head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, PAIRS=pairs, NORM_PAIRS=norm_pairs, INTERPRET=_interpreted(),
-        BLOCK_T=block_t, BLOCK_G=block_g, num_warps=num_warps)
+        BLOCK_T=block_t, BLOCK_G=block_g, HINTS=hints, ENCODE=encode,
+        EXACT=norm or k.dtype == torch.float32, num_warps=num_warps)
 
 
 @triton.jit
