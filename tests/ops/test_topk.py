@@ -86,24 +86,87 @@ def test_triton_equals_reference_exactly(k, length):
     check_valid(out, lens, k)
 
 
-def test_every_kernel_branch_with_small_buffers():
-    """Short rows, the direct radix, the sampled cut-off, and both fallbacks (too many
-    candidates: ties; too few: the largest values sit exactly on the sampled positions)."""
-    pytest.importorskip("triton")
+def launch_small(logits, lens, k, config):
+    """launch_topk on small buffers; the output must equal the PyTorch reference exactly."""
     from dsacache.ops.topk.triton_kernels import launch_topk
 
-    k, width, samples = 40, 600, 32
-    logits = torch.randn(5, width, device=DEVICE)
-    logits[3] = 1.0
-    logits[3, ::7] = 2.0
-    logits[4] = torch.rand(width, device=DEVICE)
-    stride = 500 // samples
-    logits[4, :samples * stride:stride] += 10.0
-    lens = torch.tensor([5, 60, 600, 600, 500], dtype=torch.int32, device=DEVICE)
-    starts = torch.zeros(5, dtype=torch.int32, device=DEVICE)
-    out = torch.full((5, k), -7, dtype=torch.int32, device=DEVICE)
-    launch_topk(logits, lens, starts, out, {"BLOCK": 64, "CAP": 512, "SAMPLES": samples, "SPLITS": 2})
+    out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=DEVICE)
+    launch_topk(logits, lens, torch.zeros_like(lens), out, config)
     assert torch.equal(out, topk_indices(logits, lens, k, impl="torch"))
+    return out
+
+
+def branch_rows(k, width, samples):
+    """Rows that reach every branch with SAMPLES=samples and CAP=512, SPLITS=4 (v2's runs of
+    8 samples: 4 runs at width 600)."""
+    logits = torch.randn(12, width, device=DEVICE)
+    logits[1] = 1.0                                     # too many candidates: ties
+    logits[1, ::7] = 2.0
+    logits[2] = torch.rand(width, device=DEVICE)        # too few: the largest sit on the sampled runs
+    for g in range(4):
+        logits[2, g * (width // 4):g * (width // 4) + 8] += 10.0
+    stride = 500 // samples
+    logits[3] = torch.rand(width, device=DEVICE)        # too few for v1's strided samples
+    logits[3, :samples * stride:stride] += 10.0
+    logits[4] = torch.arange(width, device=DEVICE).float()  # skewed: every candidate in the last split
+    logits[5] = torch.randint(0, 60, (width,), device=DEVICE).float()  # ties at the cut, in registers
+    logits[6, 300:] = float("nan")
+    logits[7] = -float("inf")
+    logits[8, 7] = 1e30
+    logits[8, ::11] = -float("inf")
+    lens = torch.tensor([600, 600, 600, 500, 600, 600, 600, 600, 600, 5, k, k - 1], dtype=torch.int32,
+                        device=DEVICE)
+    return logits, lens
+
+
+@pytest.mark.parametrize("algo,streams", [("v1", 1), ("v2", 1), ("v2", 4), ("v2", 8)])
+def test_every_kernel_branch_with_small_buffers(algo, streams):
+    """Short rows (n < k, n == k, k - 1), the direct radix, the sampled cut-off, both
+    fallbacks (too many candidates: ties; too few: the largest values sit exactly on the
+    sampled positions), v2's skewed-split gather (one or several streams a split), NaN
+    and all -inf rows."""
+    pytest.importorskip("triton")
+    k, samples = 40, 32
+    logits, lens = branch_rows(k, 600, samples)
+    lens[0] = k + 1  # direct radix on a row too short to sample
+    config = {"algo": algo, "BLOCK": 64, "CAP": 512, "SAMPLES": samples, "SPLITS": 4, "BINS": 64, "STREAMS": streams}
+    launch_small(logits, lens, k, config)
+    lens[0] = 600
+    launch_small(logits, lens, k, config)
+
+
+def test_v2_register_path_with_ties_and_the_open_last_bin():
+    """v2 in registers: a row whose candidates are heavily tied at the cut, and one whose
+    k-th key lies far above the sampled maximum (the histogram's open last bin)."""
+    pytest.importorskip("triton")
+    k, width = 40, 600
+    logits = torch.rand(2, width, device=DEVICE) * 1e6 + 100
+    for g in range(4):
+        logits[0, g * (width // 4):g * (width // 4) + 8] = torch.rand(8, device=DEVICE)
+    logits[1] = 1.0
+    logits[1, ::7] = 2.0
+    lens = torch.full((2,), width, dtype=torch.int32, device=DEVICE)
+    launch_small(logits, lens, k, {"BLOCK": 64, "CAP": 1024, "SAMPLES": 32, "SPLITS": 4, "BINS": 64})
+
+
+def test_v1_and_v2_agree_on_random_rows():
+    pytest.importorskip("triton")
+    k, width = 24, 1000
+    logits = torch.randn(4, width, device=DEVICE)
+    logits[1] = torch.randint(-20, 20, (width,), device=DEVICE).float()
+    lens = torch.tensor([1000, 999, 700, 333], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 1, 299, 13], dtype=torch.int32, device=DEVICE)
+    ref = topk_indices(logits, lens, k, row_starts=starts, impl="torch")
+    outs = []
+    for algo in ("v1", "v2"):
+        from dsacache.ops.topk.triton_kernels import launch_topk
+
+        out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
+        launch_topk(logits, lens, starts, out, {"algo": algo, "BLOCK": 128, "CAP": 256, "SAMPLES": 64, "SPLITS": 2,
+                                                "BINS": 128})
+        assert torch.equal(out, ref), algo
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

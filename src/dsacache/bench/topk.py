@@ -23,10 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--len", dest="lens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("-k", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time a few launch settings per shape")
+    parser.add_argument("--algo", nargs="+", default=["v2", "v1"], choices=["v1", "v2"],
+                        help="also time these top-k algorithms, each with its kernels' own times")
 
 
-SWEEP = [{"BLOCK": 2048, "num_warps": 16}, {"BLOCK": 4096, "num_warps": 16}, {"SPLITS": 1}, {"SPLITS": 2},
-         {"SPLITS": 4}]
+SWEEP = [{"algo": "v2", "STREAMS": 1}, {"algo": "v2", "STREAMS": 4}, {"algo": "v2", "SPLITS": 4},
+         {"algo": "v2", "SPLITS": 16}, {"algo": "v2", "STREAMS": 1, "BLOCK": 1024, "num_warps": 4},
+         {"algo": "v2", "select_warps": 8}, {"algo": "v2", "SAMPLES": 4096}, {"algo": "v1", "SPLITS": 1}]
 
 
 def run_sweep(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.Tensor) -> None:
@@ -39,6 +42,37 @@ def run_sweep(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.T
         ms = time_graph(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
         print(f"sweep topk {tuple(logits.shape)} {cfg}: {ms * 1e3:.1f} us"
               f"{'' if torch.equal(out, ref) else ' WRONG'}", flush=True)
+
+
+def kernel_times_us(fn, reps: int = 20) -> dict[str, float]:
+    """Mean device time of each kernel ``fn`` launches, by kernel name (CUDA profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / reps for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def run_algos(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.Tensor, algos: list[str]) -> None:
+    """Time each algorithm (CUDA graph) and report its kernels' own times."""
+    from dsacache.ops.topk.triton_kernels import launch_topk
+
+    starts = torch.zeros_like(seq_lens)
+    out = torch.empty(logits.shape[0], k, dtype=torch.int32, device="cuda")
+    for algo in algos:
+        cfg = {"algo": algo}
+        launch_topk(logits, seq_lens, starts, out, cfg)
+        if not torch.equal(out, ref):
+            print(f"algo {algo} {tuple(logits.shape)}: WRONG, not timed", flush=True)
+            continue
+        ms = time_graph(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
+        kernels = kernel_times_us(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
+        parts = ", ".join(f"{name} {us:.1f} us" for name, us in kernels.items())
+        print(f"algo {algo} {tuple(logits.shape)}: {ms * 1e3:.1f} us (graph); kernels: {parts}", flush=True)
 
 
 def make_logits(rows: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +116,7 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
             print(rows[-1].line(), flush=True)
 
             positions = topk_indices(logits, seq_lens, args.k)
+            run_algos(logits, seq_lens, args.k, positions, args.algo)
             if args.sweep:
                 run_sweep(logits, seq_lens, args.k, positions)
             blocks = length // KERNEL_PAGE_SIZE

@@ -21,6 +21,23 @@ down to a few thousand candidates, in two launches:
    radix select on the candidates. When the cut-off missed (fewer than ``k`` candidates,
    or more than ``CAP``, e.g. heavily tied rows) it runs on the whole row instead: same
    answer, slower. Short rows (``n <= max(k, 2 * SAMPLES)``) skip step 1.
+
+That is ``algo="v1"``. The default ``algo="v2"`` keeps the same contract and fallbacks but
+moves the sequential work off the one-program-a-row path, in three launches:
+
+1. ``_topk_cutoff_kernel``, one program a row: the cut-off key from ``SAMPLES`` keys (runs
+   of ``SAMPLE_RUN`` adjacent logits, evenly spaced, so each run is one memory sector) by an
+   in-register radix narrowing with 256-bin histograms that stops once the chosen bin holds
+   only a few samples; it also zeroes the row's candidate histogram.
+2. ``_topk_filter_v2_kernel``, SPLITS programs a row (a few per SM): copies (key, position)
+   of every logit ``>=`` the cut-off to its segment, in position order, and counts each
+   candidate into a ``BINS``-bin histogram of ``(key - cut) >> shift`` (global atomics: one
+   per candidate, integer sums, so deterministic).
+3. ``_topk_select_v2_kernel``, one program a row: the histogram names the bin holding the
+   k-th largest candidate; the candidates sit in registers (``[SPLITS, CAP / SPLITS]``) and
+   16-bin radix passes over that bin alone find the exact cut; one prefix sum writes the
+   output. A split with more than ``CAP / SPLITS`` candidates (a skewed row) takes the v1
+   gather path, a missed cut-off the v1 whole-row path.
 """
 
 from __future__ import annotations
@@ -31,10 +48,14 @@ import triton.language as tl
 
 from dsacache.ops.triton_utils import check_launch, loop_bound
 
-#: Launch settings: BLOCK logits a step, SAMPLES sorted for the cut-off. CAP (candidate
-#: buffer length, default CANDIDATES_PER_K * k) and SPLITS (programs a row's candidate
-#: search uses, default from the row count) may be set to override.
-TOPK_CONFIG = {"BLOCK": 2048, "SAMPLES": 1024, "num_warps": 8, "CAP": None, "SPLITS": None}
+#: Launch settings: ``algo`` ("v2" or "v1"), BLOCK logits a step, SAMPLES for the cut-off
+#: (None: 1024 for v1, 2048 for v2). CAP (candidate buffer length, default
+#: CANDIDATES_PER_K * k, a power of two for v2) and SPLITS (programs a row's candidate
+#: search uses, default from the row and SM counts) may be set to override. v2 only: BINS
+#: (candidate histogram), SAMPLE_RUN (adjacent logits a sample run), select_warps, STREAMS
+#: (per-warp candidate streams a filter program keeps, one warp each; 1 = one stream a program).
+TOPK_CONFIG = {"algo": "v2", "BLOCK": 2048, "SAMPLES": None, "num_warps": 8, "CAP": None, "SPLITS": None,
+               "BINS": 2048, "SAMPLE_RUN": 8, "select_warps": 16, "STREAMS": 8}
 CANDIDATES_PER_K = 4
 RADIX_BITS = 4
 
@@ -248,6 +269,291 @@ def _topk_select_kernel(
 
 
 @triton.jit
+def _bit_length(x):
+    """Bits needed for the uint32 scalar x (0 for 0); may be one too many, never too few."""
+    exponent = (x.to(tl.float32).to(tl.uint32, bitcast=True) >> 23).to(tl.int32)
+    return tl.maximum(exponent - 126, 0)
+
+
+@triton.jit
+def _radix_narrow(keys, mask, count, need, prefix, top, slack, BITS: tl.constexpr, PASSES: tl.constexpr):
+    """Narrow down to the ``need``-th largest of the uint32 ``keys`` under ``mask``.
+
+    The ``count`` masked keys share their bits at and above ``top`` with ``prefix`` (whose
+    lower bits are 0). Each pass fixes the next BITS bits from a histogram. Returns
+    ``(cut, ties, whole)``: the top ``need`` are the keys above ``cut`` plus the first
+    ``ties`` equal to it, or, when ``whole``, every key ``>= cut`` (the narrowing stopped at
+    a bin taken whole or holding at most ``slack`` keys).
+    """
+    BINS: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, BINS)
+    size: tl.constexpr = keys.numel
+    whole = (need == count) | (count <= slack)
+    done = whole | (top == 0)
+    for _ in tl.static_range(PASSES):
+        if not done:
+            shift = tl.maximum(top - BITS, 0)
+            high = ((0xFFFFFFFF << top.to(tl.int64)) & 0xFFFFFFFF).to(tl.uint32)
+            match = mask & (((keys ^ prefix) & high) == 0)
+            digit = tl.where(match, (keys >> shift) & (BINS - 1), 0).to(tl.int32)
+            hist = tl.histogram(tl.reshape(digit, [size], can_reorder=True), BINS)
+            unmatched = size - tl.sum(tl.reshape(match.to(tl.int32), [size], can_reorder=True), axis=0)
+            hist -= tl.where(bins == 0, unmatched, 0)
+            at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+            chosen = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1
+            in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
+            need = need - (tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin)
+            prefix = prefix | (chosen.to(tl.uint32) << shift)
+            top = shift
+            whole = (need == in_bin) | (in_bin <= slack)
+            done = whole | (top == 0)
+    return prefix, need, whole
+
+
+@triton.jit
+def _long_row(n, K: tl.constexpr, SAMPLES: tl.constexpr):
+    """Rows that go through the sampled cut-off (the rest are selected directly)."""
+    return n > tl.maximum(K, 2 * SAMPLES)
+
+
+@triton.jit
+def _topk_cutoff_kernel(
+    logits_ptr,       # [R, row_stride] fp32
+    lens_ptr,         # [R] int32, clamped to the row
+    starts_ptr,       # [R] int32, clamped to the row
+    cut_ptr,          # [R] int32 out: the cut-off key (uint32 bits) of each long row
+    shift_ptr,        # [R] int32 out: log2 of the candidate histogram's bin width
+    hist_ptr,         # [R, BINS] int32 out: zeroed for _topk_filter_v2_kernel
+    row_stride,
+    K: tl.constexpr, SAMPLES: tl.constexpr, SAMPLE_RUN: tl.constexpr, BINS: tl.constexpr,
+):
+    """v2 step 1, one program a row: a cut-off key with, most likely, a little over K of
+    the row's keys at or above it (from SAMPLES keys in evenly spaced runs)."""
+    row = tl.program_id(0)
+    n, row_ptr = _row_setup(logits_ptr, lens_ptr, starts_ptr, row, row_stride)
+    if _long_row(n, K, SAMPLES):
+        tl.store(hist_ptr + row.to(tl.int64) * BINS + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
+        lanes = tl.arange(0, SAMPLES)
+        runs: tl.constexpr = SAMPLES // SAMPLE_RUN
+        idx = (lanes // SAMPLE_RUN) * (n // runs) + lanes % SAMPLE_RUN
+        keys = _sortable_key(tl.load(row_ptr + idx))
+        expected = (K * SAMPLES + n - 1) // n
+        target = expected + 4 * tl.sqrt(expected.to(tl.float32)).to(tl.int32) + 8
+        target = tl.minimum(target, SAMPLES)
+        SAMPLE_BITS: tl.constexpr = 8  # 256-bin digits: few passes over few keys
+        cut, _, _ = _radix_narrow(keys, lanes < SAMPLES, SAMPLES, target, tl.zeros([], tl.uint32),
+                                  tl.full([], 32, tl.int32), target // 8 + 1, SAMPLE_BITS, 32 // SAMPLE_BITS)
+        # Bins as wide as needed for the sampled maximum to land in the lower half.
+        log_bins = _bit_length(tl.full([], BINS, tl.uint32)) - 1
+        shift = tl.maximum(_bit_length(tl.max(keys, axis=0) - cut) - (log_bins - 1), 0)
+        tl.store(cut_ptr + row, cut.to(tl.int32, bitcast=True))
+        tl.store(shift_ptr + row, shift)
+
+
+@triton.jit
+def _filter_v2(row_ptr, start, lo, hi, cut, shift, hist_row, seg_keys, seg_pos,
+               CAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """Copy (key, position - start) of every logit in columns [lo, hi) (lo is BLOCK-aligned
+    relative to an aligned column, so loads vectorize) whose key is >= cut, in order, into
+    the segment (at most CAP); count each into hist_row. Returns how many there are."""
+    lanes = tl.arange(0, BLOCK)
+    count = tl.zeros([], tl.int32)
+    for c in tl.range(0, loop_bound(tl.cdiv(hi - lo, BLOCK)), num_stages=3):
+        col = lo + c * BLOCK + lanes
+        valid = (col >= start) & (col < hi)
+        key = _sortable_key(tl.load(row_ptr + col, mask=valid, other=0.0))
+        keep = valid & (key >= cut)
+        keep_i = keep.to(tl.int32)
+        slot = count + tl.cumsum(keep_i, axis=0) - keep_i
+        room = keep & (slot < CAP)
+        tl.store(seg_keys + slot, key.to(tl.int32, bitcast=True), mask=room)
+        tl.store(seg_pos + slot, col - start, mask=room)
+        bin_ = tl.minimum((key - cut) >> shift, BINS - 1).to(tl.int32)
+        tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
+        count += tl.sum(keep_i, axis=0)
+    return count
+
+
+@triton.jit
+def _filter_streams(row_ptr, start, lo, hi, cut, shift, hist_row, seg_keys, seg_pos,
+                    STREAMS: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr):
+    """``_filter_v2`` with the range [lo, hi) cut into STREAMS contiguous pieces, one per warp
+    (rows of a [STREAMS, 128] tile): piece r's candidates go to its own segment (``SEG`` apart,
+    at most SEG) in order, so the prefix sum that places them never leaves the warp. Returns
+    the counts [STREAMS] (may exceed SEG)."""
+    LANES: tl.constexpr = 128
+    piece = tl.cdiv(tl.cdiv(hi - lo, STREAMS), LANES) * LANES
+    base = lo + tl.arange(0, STREAMS)[:, None] * piece + tl.arange(0, LANES)[None, :]   # [STREAMS, LANES]
+    end = tl.minimum(base - tl.arange(0, LANES)[None, :] + piece, hi)
+    out = tl.arange(0, STREAMS)[:, None] * SEG
+    count = tl.zeros([STREAMS], tl.int32)
+    for c in tl.range(0, loop_bound(piece // LANES), num_stages=1):
+        col = base + c * LANES
+        valid = (col >= start) & (col < end)
+        key = _sortable_key(tl.load(row_ptr + col, mask=valid, other=0.0))
+        keep = valid & (key >= cut)
+        keep_i = keep.to(tl.int32)
+        slot = count[:, None] + tl.cumsum(keep_i, axis=1) - keep_i
+        room = keep & (slot < SEG)
+        tl.store(seg_keys + out + slot, key.to(tl.int32, bitcast=True), mask=room)
+        tl.store(seg_pos + out + slot, col - start, mask=room)
+        bin_ = tl.minimum((key - cut) >> shift, BINS - 1).to(tl.int32)
+        tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
+        count += tl.sum(keep_i, axis=1)
+    return count
+
+
+@triton.jit
+def _topk_filter_v2_kernel(
+    logits_ptr,       # [R, row_stride] fp32
+    lens_ptr,         # [R] int32, clamped to the row
+    starts_ptr,       # [R] int32, clamped to the row
+    cut_ptr,          # [R] int32 (from _topk_cutoff_kernel)
+    shift_ptr,        # [R] int32
+    hist_ptr,         # [R, BINS] int32: candidates a bin, accumulated by every split
+    seg_keys_ptr,     # [R, SPLITS, CAP] int32 scratch: candidate keys of each split, in order
+    seg_pos_ptr,      # [R, SPLITS, CAP] int32 scratch: their positions
+    counts_ptr,       # [R, SPLITS] int32: candidates found by each split (may exceed CAP)
+    row_stride,
+    K: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLES: tl.constexpr,
+    SPLITS: tl.constexpr, BINS: tl.constexpr, STREAMS: tl.constexpr,
+):
+    """v2 step 2, SPLITS programs a long row: candidates at or above the row's cut-off
+    (STREAMS > 1: each program's range in STREAMS per-warp segments of CAP / STREAMS)."""
+    split = tl.program_id(0)
+    row = tl.program_id(1)
+    n = tl.load(lens_ptr + row)
+    if _long_row(n, K, SAMPLES):
+        start = tl.load(starts_ptr + row)
+        first = (start // 16) * 16  # splits start on aligned columns so loads vectorize
+        chunk = tl.cdiv(tl.cdiv(start + n - first, SPLITS), BLOCK) * BLOCK
+        lo = first + split * chunk
+        seg = (row.to(tl.int64) * SPLITS + split) * CAP
+        cut = tl.load(cut_ptr + row).to(tl.uint32, bitcast=True)
+        hi = tl.minimum(lo + chunk, start + n)
+        if STREAMS > 1:
+            counts = _filter_streams(logits_ptr + row.to(tl.int64) * row_stride, start, lo, hi, cut,
+                                     tl.load(shift_ptr + row), hist_ptr + row.to(tl.int64) * BINS,
+                                     seg_keys_ptr + seg, seg_pos_ptr + seg, STREAMS, CAP // STREAMS, BINS)
+            tl.store(counts_ptr + (row * SPLITS + split) * STREAMS + tl.arange(0, STREAMS), counts)
+        else:
+            count = _filter_v2(logits_ptr + row.to(tl.int64) * row_stride, start, lo, hi,
+                               cut, tl.load(shift_ptr + row), hist_ptr + row.to(tl.int64) * BINS,
+                               seg_keys_ptr + seg, seg_pos_ptr + seg, CAP, BLOCK, BINS)
+            tl.store(counts_ptr + row * SPLITS + split, count)
+
+
+@triton.jit
+def _histogram_cut(hist_row, want, BINS: tl.constexpr):
+    """(bin, left, in_bin): the bin holding the want-th largest candidate, how many to take
+    from it, and how many it holds."""
+    bins = tl.arange(0, BINS)
+    hist = tl.load(hist_row + bins)
+    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    chosen = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+    in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
+    left = want - (tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin)
+    return chosen, left, in_bin
+
+
+@triton.jit
+def _select_in_registers(seg_keys, seg_pos, counts, hist_row, cut, shift, want, out_row,
+                         CAP: tl.constexpr, SPLITS: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr,
+                         STRIDE: tl.constexpr):
+    """Exact top ``want`` of the candidates of SPLITS segments STRIDE apart (each holding at
+    most CAP / SPLITS), written in position order."""
+    SEG: tl.constexpr = CAP // SPLITS
+    chosen, left, in_bin = _histogram_cut(hist_row, want, BINS)
+    lane = tl.arange(0, SEG)[None, :]
+    valid = lane < counts[:, None]
+    src = tl.arange(0, SPLITS)[:, None] * STRIDE + lane
+    # Distances above the cut-off: the histogram binned (dist >> shift), the last bin open.
+    dist = tl.load(seg_keys + src, mask=valid, other=0).to(tl.uint32, bitcast=True) - cut
+    pos = tl.load(seg_pos + src, mask=valid, other=-1)
+    in_chosen = valid & (tl.minimum(dist >> shift, BINS - 1) == chosen)
+    last = chosen == BINS - 1
+    top = tl.where(last, 32, shift)
+    low = tl.where(last, 0, chosen << shift).to(tl.uint32)
+    cut_dist, ties, whole = _radix_narrow(dist, in_chosen, in_bin, left, low, top, 0, BITS, 32 // BITS)
+    _write_in_order(dist, pos, valid, cut_dist, tl.where(whole, CAP, ties), out_row)
+
+
+@triton.jit
+def _write_in_order(key, pos, valid, cut, ties, out_row):
+    """Store pos of the keys above cut and of the first ``ties`` equal to it, in order
+    (row-major over the 2-D tensors), through one prefix sum of packed counts."""
+    above = (valid & (key > cut)).to(tl.int32)
+    equal = (valid & (key == cut)).to(tl.int32)
+    packed = above + (equal << 16)  # CAP < 2**16: both counts fit
+    inclusive = tl.cumsum(packed, axis=1)
+    seg_total = tl.sum(packed, axis=1)
+    before = (inclusive - packed) + (tl.cumsum(seg_total, axis=0) - seg_total)[:, None]
+    equal_before = before >> 16
+    take = (above != 0) | ((equal != 0) & (equal_before < ties))
+    slot = (before & 0xFFFF) + tl.minimum(equal_before, ties)
+    tl.store(out_row + slot, pos, mask=take)
+
+
+@triton.jit
+def _topk_select_v2_kernel(
+    logits_ptr,       # [R, row_stride] fp32
+    lens_ptr,         # [R] int32, clamped to the row
+    starts_ptr,       # [R] int32, clamped to the row
+    out_ptr,          # [R, K] int32
+    cut_ptr,          # [R] int32 (from _topk_cutoff_kernel)
+    shift_ptr,        # [R] int32
+    hist_ptr,         # [R, BINS] int32 (from _topk_filter_v2_kernel)
+    seg_keys_ptr,     # [R, SPLITS, CAP] int32
+    seg_pos_ptr,      # [R, SPLITS, CAP] int32
+    counts_ptr,       # [R, SPLITS] int32
+    buf_keys_ptr,     # [R, CAP] int32 scratch (skewed rows only)
+    buf_pos_ptr,      # [R, CAP] int32 scratch
+    row_stride,
+    K: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLES: tl.constexpr,
+    SPLITS: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr, STREAMS: tl.constexpr,
+):
+    """v2 step 3, one program a row: exact selection from the candidates in registers
+    (the v1 paths for short rows, skewed rows and a missed cut-off). The row's candidates
+    are in SPLITS * STREAMS segments, CAP / STREAMS apart."""
+    NSEG: tl.constexpr = SPLITS * STREAMS
+    STRIDE: tl.constexpr = CAP // STREAMS
+    row = tl.program_id(0)
+    n, row_ptr = _row_setup(logits_ptr, lens_ptr, starts_ptr, row, row_stride)
+    out_row = out_ptr + row.to(tl.int64) * K
+    want = tl.minimum(n, K)
+
+    if n <= K:
+        _collect(row_ptr, row_ptr, n, tl.full([], -1, tl.int64), 0, out_row, True, BLOCK)
+    elif not _long_row(n, K, SAMPLES):
+        cut, ties = _radix_select(row_ptr, n, want, True, BLOCK, BITS)
+        _collect(row_ptr, row_ptr, n, cut, ties, out_row, True, BLOCK)
+    else:
+        counts = tl.load(counts_ptr + row * NSEG + tl.arange(0, NSEG))
+        total = tl.sum(counts, axis=0)
+        seg = row.to(tl.int64) * SPLITS * CAP
+        if (tl.max(counts, axis=0) <= CAP // NSEG) & (total >= want):
+            _select_in_registers(seg_keys_ptr + seg, seg_pos_ptr + seg, counts, hist_ptr + row.to(tl.int64) * BINS,
+                                 tl.load(cut_ptr + row).to(tl.uint32, bitcast=True), tl.load(shift_ptr + row),
+                                 want, out_row, CAP, NSEG, BINS, BITS, STRIDE)
+        elif (tl.max(counts, axis=0) <= STRIDE) & (total >= want) & (total <= CAP):
+            buf_keys = buf_keys_ptr + row.to(tl.int64) * CAP
+            buf_pos = buf_pos_ptr + row.to(tl.int64) * CAP
+            _gather_segments(seg_keys_ptr + seg, seg_pos_ptr + seg, counts, buf_keys, buf_pos, total,
+                             STRIDE, NSEG, BLOCK)
+            tl.debug_barrier()  # the buffer was written by other threads of this program
+            cut, ties = _radix_select(buf_keys, total, want, False, BLOCK, BITS)
+            _collect(buf_keys, buf_pos, total, cut, ties, out_row, False, BLOCK)
+        else:
+            cut, ties = _radix_select(row_ptr, n, want, True, BLOCK, BITS)
+            _collect(row_ptr, row_ptr, n, cut, ties, out_row, True, BLOCK)
+
+    lanes = tl.arange(0, BLOCK)
+    for c in range(0, K, BLOCK):
+        idx = c + lanes
+        tl.store(out_row + idx, tl.full([BLOCK], -1, tl.int32), mask=(idx >= want) & (idx < K))
+
+
+@triton.jit
 def _positions_to_slots_kernel(
     pos_ptr,          # [R, K] int32
     bt_ptr,           # [B, max_blocks] int32
@@ -268,30 +574,74 @@ def _positions_to_slots_kernel(
 
 
 def topk_splits(rows: int, num_sms: int) -> int:
-    """Programs a long row's candidate search is split over: about half the SMs' worth of
+    """Programs a long row's v1 candidate search is split over: about half the SMs' worth of
     programs in all (measured best on an H200 at 64 rows: 2; at 256 rows: 1)."""
     return max(1, min(8, triton.next_power_of_2(triton.cdiv(num_sms, 2 * max(rows, 1)))))
 
 
+def topk_splits_v2(rows: int, num_sms: int) -> int:
+    """Programs a long row's v2 candidate search is split over: about 4 programs an SM in
+    all (64 rows on 132 SMs: 8; 256 rows: 2), a power of two up to 16."""
+    per_row = max(1, 4 * num_sms // max(rows, 1))
+    return min(16, 1 << (per_row.bit_length() - 1))
+
+
 def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, out: torch.Tensor,
                 config: dict | None = None) -> None:
-    """Fill ``out [R, k]`` with the top-k positions of each row of ``logits [R, *]`` (two launches)."""
+    """Fill ``out [R, k]`` with the top-k positions of each row of ``logits [R, *]``
+    (``config["algo"]``: "v2", three launches, or "v1", two)."""
     cfg = {**TOPK_CONFIG, **(config or {})}
     check_launch(logits.stride(1) == 1 and out.is_contiguous(), "contiguous logits rows and out")
     check_launch(lens.is_contiguous() and starts.is_contiguous(), "contiguous lengths and row starts")
+    check_launch(cfg["algo"] in ("v1", "v2"), f"algo {cfg['algo']!r} is v1 or v2")
+    launch = _launch_v2 if cfg["algo"] == "v2" else _launch_v1
+    launch(logits, lens, starts, out, cfg, _num_sms(logits.device))
+
+
+def _launch_v1(logits, lens, starts, out, cfg, num_sms):
     rows, k = logits.shape[0], out.shape[1]
     cap = cfg.get("CAP") or CANDIDATES_PER_K * k
-    splits = cfg.get("SPLITS") or topk_splits(rows, _num_sms(logits.device))
+    splits = cfg.get("SPLITS") or topk_splits(rows, num_sms)
     seg_keys = torch.empty(rows, splits, cap, dtype=torch.int32, device=logits.device)
     seg_pos = torch.empty_like(seg_keys)
     counts = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     buf_keys = torch.empty(rows, cap, dtype=torch.int32, device=logits.device)
     buf_pos = torch.empty_like(buf_keys)
-    common = dict(K=k, BLOCK=cfg["BLOCK"], CAP=cap, SAMPLES=cfg["SAMPLES"], SPLITS=splits,
+    common = dict(K=k, BLOCK=cfg["BLOCK"], CAP=cap, SAMPLES=cfg["SAMPLES"] or 1024, SPLITS=splits,
                   num_warps=cfg["num_warps"])
     _topk_filter_kernel[(splits, rows)](logits, lens, starts, seg_keys, seg_pos, counts, logits.stride(0), **common)
     _topk_select_kernel[(rows,)](logits, lens, starts, out, seg_keys, seg_pos, counts, buf_keys, buf_pos,
                                  logits.stride(0), BITS=RADIX_BITS, **common)
+
+
+def _launch_v2(logits, lens, starts, out, cfg, num_sms):
+    rows, k = logits.shape[0], out.shape[1]
+    cap = cfg.get("CAP") or triton.next_power_of_2(CANDIDATES_PER_K * k)
+    splits = cfg.get("SPLITS") or min(topk_splits_v2(rows, num_sms), cap)
+    streams = max(1, min(cfg["STREAMS"], cap // splits))
+    samples, bins = cfg["SAMPLES"] or 2048, cfg["BINS"]
+    check_launch(cap & (cap - 1) == 0 and splits & (splits - 1) == 0 and cap >= splits and cap < 2**16,
+                 "v2: CAP and SPLITS powers of two, SPLITS <= CAP < 65536")
+    check_launch(streams & (streams - 1) == 0, "v2: STREAMS a power of two")
+    check_launch(samples % cfg["SAMPLE_RUN"] == 0 and bins & (bins - 1) == 0, "v2: SAMPLE_RUN | SAMPLES, BINS a power of two")
+    device = logits.device
+    seg_keys = torch.empty(rows, splits, cap, dtype=torch.int32, device=device)
+    seg_pos = torch.empty_like(seg_keys)
+    counts = torch.empty(rows, splits * streams, dtype=torch.int32, device=device)
+    buf_keys = torch.empty(rows, cap, dtype=torch.int32, device=device)
+    buf_pos = torch.empty_like(buf_keys)
+    cut = torch.empty(rows, dtype=torch.int32, device=device)
+    shift = torch.empty_like(cut)
+    hist = torch.empty(rows, bins, dtype=torch.int32, device=device)
+    stride = logits.stride(0)
+    _topk_cutoff_kernel[(rows,)](logits, lens, starts, cut, shift, hist, stride, K=k, SAMPLES=samples,
+                                 SAMPLE_RUN=cfg["SAMPLE_RUN"], BINS=bins, num_warps=cfg["num_warps"])
+    common = dict(K=k, BLOCK=cfg["BLOCK"], CAP=cap, SAMPLES=samples, SPLITS=splits, BINS=bins, STREAMS=streams)
+    _topk_filter_v2_kernel[(splits, rows)](logits, lens, starts, cut, shift, hist, seg_keys, seg_pos, counts,
+                                           stride, num_warps=streams if streams > 1 else cfg["num_warps"], **common)
+    _topk_select_v2_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg_keys, seg_pos, counts,
+                                    buf_keys, buf_pos, stride, BITS=RADIX_BITS, num_warps=cfg["select_warps"],
+                                    **common)
 
 
 def _num_sms(device: torch.device) -> int:
