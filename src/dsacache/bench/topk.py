@@ -23,8 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--len", dest="lens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("-k", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time a few launch settings per shape")
-    parser.add_argument("--algo", nargs="+", default=["v2", "v1"], choices=["v1", "v2"],
-                        help="also time these top-k algorithms, each with its kernels' own times")
+    parser.add_argument("--algo", nargs="+", default=[], choices=["v1", "v2"],
+                        help="also time these top-k algorithms (the default is v2)")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="with --algo: each kernel's own time from the CUDA profiler (run last: the "
+                             "profiler slows the launches timed after it)")
 
 
 SWEEP = [{"algo": "v2", "STREAMS": 1}, {"algo": "v2", "STREAMS": 4}, {"algo": "v2", "SPLITS": 4},
@@ -57,8 +60,9 @@ def kernel_times_us(fn, reps: int = 20) -> dict[str, float]:
     return {e.key: e.device_time_total / reps for e in prof.key_averages() if e.device_time_total > 0}
 
 
-def run_algos(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.Tensor, algos: list[str]) -> None:
-    """Time each algorithm (CUDA graph) and report its kernels' own times."""
+def run_algos(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.Tensor, algos: list[str],
+              kernel_times: bool = False) -> None:
+    """Time each algorithm (CUDA graph); with ``kernel_times``, also its kernels' own times."""
     from dsacache.ops.topk.triton_kernels import launch_topk
 
     starts = torch.zeros_like(seq_lens)
@@ -70,9 +74,11 @@ def run_algos(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.T
             print(f"algo {algo} {tuple(logits.shape)}: WRONG, not timed", flush=True)
             continue
         ms = time_graph(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
-        kernels = kernel_times_us(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
-        parts = ", ".join(f"{name} {us:.1f} us" for name, us in kernels.items())
-        print(f"algo {algo} {tuple(logits.shape)}: {ms * 1e3:.1f} us (graph); kernels: {parts}", flush=True)
+        parts = ""
+        if kernel_times:
+            kernels = kernel_times_us(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
+            parts = "; kernels: " + ", ".join(f"{name} {us:.1f} us" for name, us in kernels.items())
+        print(f"algo {algo} {tuple(logits.shape)}: {ms * 1e3:.1f} us (graph){parts}", flush=True)
 
 
 def make_logits(rows: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +122,8 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
             print(rows[-1].line(), flush=True)
 
             positions = topk_indices(logits, seq_lens, args.k)
-            run_algos(logits, seq_lens, args.k, positions, args.algo)
+            if args.algo:
+                run_algos(logits, seq_lens, args.k, positions, args.algo, args.kernel_times)
             if args.sweep:
                 run_sweep(logits, seq_lens, args.k, positions)
             blocks = length // KERNEL_PAGE_SIZE

@@ -30,14 +30,17 @@ moves the sequential work off the one-program-a-row path, in three launches:
    in-register radix narrowing with 256-bin histograms that stops once the chosen bin holds
    only a few samples; it also zeroes the row's candidate histogram.
 2. ``_topk_filter_v2_kernel``, SPLITS programs a row (a few per SM): copies (key, position)
-   of every logit ``>=`` the cut-off to its segment, in position order, and counts each
-   candidate into a ``BINS``-bin histogram of ``(key - cut) >> shift`` (global atomics: one
-   per candidate, integer sums, so deterministic).
+   of every logit ``>=`` the cut-off, in position order, and counts each candidate into a
+   ``BINS``-bin histogram of ``(key - cut) >> shift`` (global atomics: one per candidate,
+   integer sums, so deterministic). Each of the program's STREAMS warps owns a contiguous
+   piece of its slice and its own segment (``CAP / STREAMS`` apart), so the prefix sum
+   that places candidates stays inside the warp; the segments in order are position order.
 3. ``_topk_select_v2_kernel``, one program a row: the histogram names the bin holding the
-   k-th largest candidate; the candidates sit in registers (``[SPLITS, CAP / SPLITS]``) and
-   16-bin radix passes over that bin alone find the exact cut; one prefix sum writes the
-   output. A split with more than ``CAP / SPLITS`` candidates (a skewed row) takes the v1
-   gather path, a missed cut-off the v1 whole-row path.
+   k-th largest candidate; the candidates sit in registers (``[SPLITS * STREAMS, CAP /
+   (SPLITS * STREAMS)]``) and 16-bin radix passes over that bin alone find the exact cut; one
+   prefix sum writes the output. A segment holding more than its share of ``CAP`` (a skewed
+   row) takes the v1 gather path, a missed cut-off or an overflowing segment the v1
+   whole-row path.
 """
 
 from __future__ import annotations
@@ -244,24 +247,40 @@ def _topk_select_kernel(
     if n <= K:
         _collect(row_ptr, row_ptr, n, tl.full([], -1, tl.int64), 0, out_row, True, BLOCK)
     elif n <= 2 * SAMPLES:
-        cut, ties = _radix_select(row_ptr, n, want, True, BLOCK, BITS)
-        _collect(row_ptr, row_ptr, n, cut, ties, out_row, True, BLOCK)
+        _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
     else:
         counts = tl.load(counts_ptr + row * SPLITS + tl.arange(0, SPLITS))
         total = tl.sum(counts, axis=0)
         if (tl.max(counts, axis=0) <= CAP) & (total >= want) & (total <= CAP):
-            buf_keys = buf_keys_ptr + row.to(tl.int64) * CAP
-            buf_pos = buf_pos_ptr + row.to(tl.int64) * CAP
             seg = row.to(tl.int64) * SPLITS * CAP
-            _gather_segments(seg_keys_ptr + seg, seg_pos_ptr + seg, counts, buf_keys, buf_pos, total,
-                             CAP, SPLITS, BLOCK)
-            tl.debug_barrier()  # the buffer was written by other threads of this program
-            cut, ties = _radix_select(buf_keys, total, want, False, BLOCK, BITS)
-            _collect(buf_keys, buf_pos, total, cut, ties, out_row, False, BLOCK)
+            _select_gathered(seg_keys_ptr + seg, seg_pos_ptr + seg, counts, buf_keys_ptr + row.to(tl.int64) * CAP,
+                             buf_pos_ptr + row.to(tl.int64) * CAP, total, want, out_row, CAP, SPLITS, BLOCK, BITS)
         else:
-            cut, ties = _radix_select(row_ptr, n, want, True, BLOCK, BITS)
-            _collect(row_ptr, row_ptr, n, cut, ties, out_row, True, BLOCK)
+            _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
+    _fill_tail(out_row, want, K, BLOCK)
 
+
+@triton.jit
+def _select_gathered(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, want, out_row,
+                     STRIDE: tl.constexpr, NSEG: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Concatenate the NSEG candidate segments (STRIDE apart) into the row's buffer, then
+    select the top ``want`` of those ``total`` candidates."""
+    _gather_segments(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, STRIDE, NSEG, BLOCK)
+    tl.debug_barrier()  # the buffer was written by other threads of this program
+    cut, ties = _radix_select(buf_keys, total, want, False, BLOCK, BITS)
+    _collect(buf_keys, buf_pos, total, cut, ties, out_row, False, BLOCK)
+
+
+@triton.jit
+def _select_whole_row(row_ptr, n, want, out_row, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """The top ``want`` of the row's ``n`` logits, by radix passes over the whole row."""
+    cut, ties = _radix_select(row_ptr, n, want, True, BLOCK, BITS)
+    _collect(row_ptr, row_ptr, n, cut, ties, out_row, True, BLOCK)
+
+
+@triton.jit
+def _fill_tail(out_row, want, K: tl.constexpr, BLOCK: tl.constexpr):
+    """-1 in out_row[want:K]."""
     lanes = tl.arange(0, BLOCK)
     for c in range(0, K, BLOCK):
         idx = c + lanes
@@ -525,8 +544,7 @@ def _topk_select_v2_kernel(
     if n <= K:
         _collect(row_ptr, row_ptr, n, tl.full([], -1, tl.int64), 0, out_row, True, BLOCK)
     elif not _long_row(n, K, SAMPLES):
-        cut, ties = _radix_select(row_ptr, n, want, True, BLOCK, BITS)
-        _collect(row_ptr, row_ptr, n, cut, ties, out_row, True, BLOCK)
+        _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
     else:
         counts = tl.load(counts_ptr + row * NSEG + tl.arange(0, NSEG))
         total = tl.sum(counts, axis=0)
@@ -536,21 +554,11 @@ def _topk_select_v2_kernel(
                                  tl.load(cut_ptr + row).to(tl.uint32, bitcast=True), tl.load(shift_ptr + row),
                                  want, out_row, CAP, NSEG, BINS, BITS, STRIDE)
         elif (tl.max(counts, axis=0) <= STRIDE) & (total >= want) & (total <= CAP):
-            buf_keys = buf_keys_ptr + row.to(tl.int64) * CAP
-            buf_pos = buf_pos_ptr + row.to(tl.int64) * CAP
-            _gather_segments(seg_keys_ptr + seg, seg_pos_ptr + seg, counts, buf_keys, buf_pos, total,
-                             STRIDE, NSEG, BLOCK)
-            tl.debug_barrier()  # the buffer was written by other threads of this program
-            cut, ties = _radix_select(buf_keys, total, want, False, BLOCK, BITS)
-            _collect(buf_keys, buf_pos, total, cut, ties, out_row, False, BLOCK)
+            _select_gathered(seg_keys_ptr + seg, seg_pos_ptr + seg, counts, buf_keys_ptr + row.to(tl.int64) * CAP,
+                             buf_pos_ptr + row.to(tl.int64) * CAP, total, want, out_row, STRIDE, NSEG, BLOCK, BITS)
         else:
-            cut, ties = _radix_select(row_ptr, n, want, True, BLOCK, BITS)
-            _collect(row_ptr, row_ptr, n, cut, ties, out_row, True, BLOCK)
-
-    lanes = tl.arange(0, BLOCK)
-    for c in range(0, K, BLOCK):
-        idx = c + lanes
-        tl.store(out_row + idx, tl.full([BLOCK], -1, tl.int32), mask=(idx >= want) & (idx < K))
+            _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
+    _fill_tail(out_row, want, K, BLOCK)
 
 
 @triton.jit
