@@ -44,16 +44,17 @@ PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
 #: Launch settings for the paged decode kernel (a tile is one 64-token page, TILES tiles a
 #: program). ``mxfp4_decode``: "table" (per-group lookup tables, keys in a permuted column order)
 #: or "v1" (per-value offsets, keys in element order); see ``_mxfp4_key_tile_table``.
-#: ``maxnreg`` (NVIDIA only, None = no cap) caps registers a thread when the product has at
-#: most ``maxnreg_cols`` columns (next_n rounded up to a power of two, times H): 64 keeps
-#: 8 programs an SM at H = 64, where the scale prefetch would otherwise need 70 registers
-#: (H200, B=64, 128K: H = 64 299 -> 293 us); wider products need more registers than that.
-DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 8, "num_warps": 4, "num_stages": 2, "maxnreg": 64, "maxnreg_cols": 64,
-                 "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
+#: Register caps (NVIDIA only, None = no cap) for products of at most ``maxnreg_cols`` columns
+#: (next_n rounded up to a power of two, times H): ``maxnreg`` with one query row a request,
+#: ``maxnreg_rows`` with several. H200, B=64, 128K: H = 64, next_n = 1: 299 -> 293 us at 64
+#: (8 programs an SM instead of 7); H = 32, next_n = 2: 518 -> 366 us at 96 (64 spills there);
+#: wider products got slower with any cap tried.
+DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 8, "num_warps": 4, "num_stages": 2, "maxnreg": 64, "maxnreg_rows": 96,
+                 "maxnreg_cols": 64, "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own; the table decode keeps its keys
 #: in registers only while the tile is 16 * num_warps tokens). The register cap helps at H = 32
 #: (256 -> 248 us) and hurts at H = 64 (319 -> 348 us).
-MXFP4_DECODE_CONFIG: dict = {"TILES": 16, "maxnreg_cols": 32}
+MXFP4_DECODE_CONFIG: dict = {"TILES": 16, "maxnreg_cols": 32, "maxnreg_rows": None}
 #: Launch settings for the ragged prefill kernel (ROWS query rows a program).
 PREFILL_CONFIG = {"BLOCK_N": 64, "TILES": 8, "ROWS": 4, "num_warps": 4, "num_stages": 3,
                   "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
@@ -463,8 +464,9 @@ def launch_paged_decode(
     max_model_len = out.shape[1]
     grid = (triton.cdiv(max_model_len, cfg["BLOCK_N"] * cfg["TILES"]), batch)
     rows = triton.next_power_of_2(next_n)
-    capped = cfg.get("maxnreg") and PTX_AVAILABLE and rows * num_heads <= cfg.get("maxnreg_cols", 0)
-    extra = {"maxnreg": cfg["maxnreg"]} if capped else {}
+    cap = cfg.get("maxnreg") if rows == 1 else cfg.get("maxnreg_rows")
+    capped = cap and PTX_AVAILABLE and rows * num_heads <= cfg.get("maxnreg_cols", 0)
+    extra = {"maxnreg": cap} if capped else {}
     _paged_decode_kernel[grid](
         q, weights, context_lens, values, scales, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0),
