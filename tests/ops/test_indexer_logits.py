@@ -83,6 +83,29 @@ def test_decode_triton_matches_reference(fmt, next_n, heads):
     assert torch.equal(pool, before), "the read path wrote into the pool"
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("next_n", [2, 3, 4])
+@pytest.mark.parametrize("split", [True, False])
+def test_decode_one_product_per_row_matches_reference(fmt, next_n, split):
+    """The split kernel path (one product per query row) and the joint one, forced at any head
+    count, with per-request lengths (each row masked at its own length)."""
+    pytest.importorskip("triton")
+    from dsacache.ops.indexer_logits.triton_kernels import launch_paged_decode
+
+    batch, num_pages, max_model_len = 2, 10, 260
+    _, pages = make_pool(fmt, num_pages)
+    q, w = random_queries(batch, next_n, 16)
+    table = torch.randperm(num_pages, device=DEVICE)[:8].view(batch, 4).to(torch.int32)
+    seq_lens = torch.tensor([131, 3], dtype=torch.int32, device=DEVICE)
+    out = torch.full((batch * next_n, max_model_len), float("nan"), device=DEVICE)
+    values, scales = views(fmt, pages)
+    launch_paged_decode(q, w, seq_lens, values, scales, table, out, fmt == "mxfp4",
+                        {"split_rows": {next_n: 1} if split else {}})
+    ref = decode("torch", q, w, per_row_context_lens(seq_lens, next_n), pages, table, max_model_len, fmt)
+    assert not torch.isnan(out).any(), "unwritten (NaN) logits"
+    assert_close_to_reference(out, ref, fmt)
+
+
 def closed_form_keys(num_pages):
     """Key value at (page, row, d): 2**(((page * 64 + row) + d // 32) % 8 - 4), exact in both formats."""
     token = torch.arange(num_pages * KERNEL_PAGE_SIZE).view(num_pages, KERNEL_PAGE_SIZE, 1)

@@ -48,9 +48,12 @@ PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
 #: (next_n rounded up to a power of two, times H): ``maxnreg`` with one query row a request,
 #: ``maxnreg_rows`` with several. H200, B=64, 128K: H = 64, next_n = 1: 299 -> 293 us at 64
 #: (8 programs an SM instead of 7); H = 32, next_n = 2: 518 -> 366 us at 96 (64 spills there);
-#: wider products got slower with any cap tried.
+#: wider products got slower with any cap tried. ``split_rows`` maps next_n (2-4) to the fewest
+#: heads for which each query row gets its own product (N = H) instead of one of N = next_n * H:
+#: H200, 128K, next_n = 2, H = 64: 556 -> 481 us; slower at H = 32 and at next_n = 4
+#: (docs/bench-results/2026-11-29-h200-pm/logits_split_rows_probe.log).
 DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 8, "num_warps": 4, "num_stages": 2, "maxnreg": 64, "maxnreg_rows": 96,
-                 "maxnreg_cols": 64, "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
+                 "maxnreg_cols": 64, "split_rows": {2: 64}, "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own; the table decode keeps its keys
 #: in registers only while the tile is 16 * num_warps tokens). The register cap helps at H = 32
 #: (256 -> 248 us) and hurts at H = 64 (319 -> 348 us).
@@ -303,6 +306,30 @@ def _store_tile(out_ptr, out_stride, rows, row_ok, cols, num_cols, scores):
 
 
 @triton.jit
+def _query_row(q_ptr, w_ptr, lens_ptr, row0, b, r: tl.constexpr, d, NEXT_N: tl.constexpr, H: tl.constexpr,
+               D: tl.constexpr, PER_ROW: tl.constexpr, max_model_len):
+    """Query row ``r`` of request ``b`` (global row ``row0 + r``): its queries [H, D] (columns
+    ``d``), head weights [H] and visible length (clamped to ``[0, max_model_len]``)."""
+    h = tl.arange(0, H)
+    q = tl.load(q_ptr + (row0 + r).to(tl.int64) * H * D + h[:, None] * D + d[None, :])
+    w = tl.load(w_ptr + (row0 + r) * H + h)
+    if PER_ROW:
+        length = tl.load(lens_ptr + row0 + r)
+    else:
+        length = tl.load(lens_ptr + b) - NEXT_N + r + 1
+    return q, w, tl.minimum(tl.maximum(length, 0), max_model_len)
+
+
+@triton.jit
+def _score_row(keys, q, w, factor, live, cols, length, out_row, num_cols):
+    """One query row's logits for a tile: sum_h w * relu(keys . q[h]) * factor, -inf where not
+    visible, stored at out_row[cols]."""
+    scores = tl.sum(tl.maximum(tl.dot(keys, tl.trans(q)), 0.0) * w[None, :], axis=1) * factor
+    scores = tl.where(live & (cols < length), scores, float("-inf"))
+    tl.store(out_row + cols, scores, mask=cols < num_cols)
+
+
+@triton.jit
 def _tile_page(bt_row, block, live, max_blocks, num_pages):
     """(page id as int64, readable): block table entry ``block`` (a scalar); entries past the
     table, negative or past the pool are unreadable and give page 0."""
@@ -323,6 +350,7 @@ def _paged_decode_kernel(
     num_pages, max_blocks, bt_stride, page_stride, scale_stride, max_model_len, out_stride,
     NEXT_N: tl.constexpr, ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PER_ROW: tl.constexpr,
     MXFP4: tl.constexpr, ASM: tl.constexpr, TABLE: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     PAGE: tl.constexpr = 64
     VALUE_BYTES: tl.constexpr = D // 2 if MXFP4 else D
@@ -340,10 +368,22 @@ def _paged_decode_kernel(
     lens = tl.where(row_ok, tl.minimum(tl.maximum(lens, 0), max_model_len), 0)
     longest = tl.max(lens, axis=0)
 
-    m = tl.arange(0, ROWS * H)
-    m_ok = (m // H) < NEXT_N
-    w = tl.load(w_ptr + b * NEXT_N * H + m, mask=m_ok, other=0.0)
-    q = _load_queries(q_ptr + b * NEXT_N * H * D, m, m_ok, _key_columns(D, MXFP4, TABLE), D)
+    d = _key_columns(D, MXFP4, TABLE)
+    if SPLIT:
+        # One product per query row (N = H each) instead of one of N = NEXT_N * H: a quarter or
+        # half the accumulator registers, so more programs an SM (up to 4 rows).
+        row0 = b * NEXT_N
+        q0, w0, len0 = _query_row(q_ptr, w_ptr, lens_ptr, row0, b, 0, d, NEXT_N, H, D, PER_ROW, max_model_len)
+        q1, w1, len1 = _query_row(q_ptr, w_ptr, lens_ptr, row0, b, 1, d, NEXT_N, H, D, PER_ROW, max_model_len)
+        if NEXT_N > 2:
+            q2, w2, len2 = _query_row(q_ptr, w_ptr, lens_ptr, row0, b, 2, d, NEXT_N, H, D, PER_ROW, max_model_len)
+        if NEXT_N > 3:
+            q3, w3, len3 = _query_row(q_ptr, w_ptr, lens_ptr, row0, b, 3, d, NEXT_N, H, D, PER_ROW, max_model_len)
+    else:
+        m = tl.arange(0, ROWS * H)
+        m_ok = (m // H) < NEXT_N
+        w = tl.load(w_ptr + b * NEXT_N * H + m, mask=m_ok, other=0.0)
+        q = _load_queries(q_ptr + b * NEXT_N * H * D, m, m_ok, d, D)
 
     num_scored = loop_bound(tl.minimum(tl.maximum(tl.cdiv(longest - col0, BLOCK_N), 0), TILES))
     # A tile is one page. Its scales are loaded a tile ahead and their page id two ahead, so no
@@ -368,10 +408,19 @@ def _paged_decode_kernel(
         page, ok = _tile_page(bt_row, blk0 + t, True, max_blocks, num_pages)
         live = ok & (cols < longest)
         keys, factor = _key_tile(values_ptr + page * page_stride + tok * VALUE_BYTES, scales, live, D, MXFP4, ASM, TABLE)
-        scores = _head_sum(tl.dot(keys, tl.trans(q)), w, ROWS, H, BLOCK_N) * factor[:, None]
-        visible = live[:, None] & (cols[:, None] < lens[None, :])
-        scores = tl.where(visible, scores, float("-inf"))
-        _store_tile(out_ptr, out_stride, rows, row_ok, cols, max_model_len, scores)
+        if SPLIT:
+            out_row = out_ptr + (b * NEXT_N).to(tl.int64) * out_stride
+            _score_row(keys, q0, w0, factor, live, cols, len0, out_row, max_model_len)
+            _score_row(keys, q1, w1, factor, live, cols, len1, out_row + out_stride, max_model_len)
+            if NEXT_N > 2:
+                _score_row(keys, q2, w2, factor, live, cols, len2, out_row + 2 * out_stride, max_model_len)
+            if NEXT_N > 3:
+                _score_row(keys, q3, w3, factor, live, cols, len3, out_row + 3 * out_stride, max_model_len)
+        else:
+            scores = _head_sum(tl.dot(keys, tl.trans(q)), w, ROWS, H, BLOCK_N) * factor[:, None]
+            visible = live[:, None] & (cols[:, None] < lens[None, :])
+            scores = tl.where(visible, scores, float("-inf"))
+            _store_tile(out_ptr, out_stride, rows, row_ok, cols, max_model_len, scores)
 
     blank = tl.full([BLOCK_N, ROWS], float("-inf"), tl.float32)
     for t in range(num_scored, TILES):
@@ -439,6 +488,13 @@ def _table_decode(cfg: dict, values: torch.Tensor) -> bool:
     return cfg["mxfp4_decode"] == "table" and values.data_ptr() % 4 == 0 and values.stride(0) % 4 == 0
 
 
+def _split_rows(cfg: dict, next_n: int, num_heads: int) -> bool:
+    """Whether the decode kernel runs one product per query row (``cfg["split_rows"]``: next_n ->
+    the fewest heads for it). The kernel handles 2-4 rows that way."""
+    least = (cfg.get("split_rows") or {}).get(next_n)
+    return least is not None and 2 <= next_n <= 4 and num_heads >= least
+
+
 def launch_paged_decode(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -474,6 +530,7 @@ def launch_paged_decode(
         NEXT_N=next_n, ROWS=rows, H=num_heads, D=head_dim,
         PER_ROW=context_lens.dim() == 2, MXFP4=mxfp4, ASM=cfg["mxfp4_asm"],
         TABLE=mxfp4 and _table_decode(cfg, values), BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"],
+        SPLIT=_split_rows(cfg, next_n, num_heads),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
 
