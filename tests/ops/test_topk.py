@@ -119,25 +119,29 @@ def branch_rows(k, width, samples):
     return logits, lens
 
 
-@pytest.mark.parametrize("algo,streams", [("v1", 1), ("v2", 1), ("v2", 4), ("v2", 8)])
-def test_every_kernel_branch_with_small_buffers(algo, streams):
+@pytest.mark.parametrize("algo,extra", [("v1", {}), ("v2", {"STREAMS": 1}), ("v2", {"STREAMS": 4}),
+                                        ("v2", {"STREAMS": 8}), ("v3", {"V": 1, "TIES": 8}),
+                                        ("v3", {"V": 2, "TIES": 32})])
+def test_every_kernel_branch_with_small_buffers(algo, extra):
     """Short rows (n < k, n == k, k - 1), the direct radix, the sampled cut-off, both
     fallbacks (too many candidates: ties; too few: the largest values sit exactly on the
-    sampled positions), v2's skewed-split gather (one or several streams a split), NaN
-    and all -inf rows."""
+    sampled positions), the skewed row (v2: gather of one or several streams a split; v3:
+    the row filtered again, densely), the chosen bin ranked pairwise or by radix passes
+    (v3, TIES 8 and 32), NaN and all -inf rows."""
     pytest.importorskip("triton")
     k, samples = 40, 32
     logits, lens = branch_rows(k, 600, samples)
     lens[0] = k + 1  # direct radix on a row too short to sample
-    config = {"algo": algo, "BLOCK": 64, "CAP": 512, "SAMPLES": samples, "SPLITS": 4, "BINS": 64, "STREAMS": streams}
+    config = {"algo": algo, "BLOCK": 64, "CAP": 512, "SAMPLES": samples, "SPLITS": 4, "PROGS": 4, "BINS": 64, **extra}
     launch_small(logits, lens, k, config)
     lens[0] = 600
     launch_small(logits, lens, k, config)
 
 
-def test_v2_register_path_with_ties_and_the_open_last_bin():
-    """v2 in registers: a row whose candidates are heavily tied at the cut, and one whose
-    k-th key lies far above the sampled maximum (the histogram's open last bin)."""
+@pytest.mark.parametrize("algo", ["v2", "v3"])
+def test_register_path_with_ties_and_the_open_last_bin(algo):
+    """In registers: a row whose candidates are heavily tied at the cut, and one whose k-th
+    key lies far above the sampled maximum (the histogram's open last bin)."""
     pytest.importorskip("triton")
     k, width = 40, 600
     logits = torch.rand(2, width, device=DEVICE) * 1e6 + 100
@@ -146,10 +150,28 @@ def test_v2_register_path_with_ties_and_the_open_last_bin():
     logits[1] = 1.0
     logits[1, ::7] = 2.0
     lens = torch.full((2,), width, dtype=torch.int32, device=DEVICE)
-    launch_small(logits, lens, k, {"BLOCK": 64, "CAP": 1024, "SAMPLES": 32, "SPLITS": 4, "BINS": 64})
+    launch_small(logits, lens, k, {"algo": algo, "BLOCK": 64, "CAP": 1024, "SAMPLES": 32, "SPLITS": 4, "PROGS": 4,
+                                   "BINS": 64, "V": 1})
 
 
-def test_v1_and_v2_agree_on_random_rows():
+def test_v3_signed_zeros_and_nan_at_the_cut():
+    """v3 tests candidates on the float: a cut-off at +0.0 is lowered to -0.0 (so -0.0, which
+    ranks below +0.0, still counts) and a NaN cut-off is raised to -inf (NaN ranks last)."""
+    pytest.importorskip("triton")
+    k, width = 40, 600
+    logits = torch.zeros(3, width, device=DEVICE)
+    logits[0, 1::2] = -0.0
+    logits[0, ::37] = 1.0                               # 17 positives, then +0.0 before -0.0
+    logits[1] = -0.0
+    logits[1, 5::41] = 0.0                              # +0.0 at 15 places among -0.0
+    logits[2] = float("nan")
+    logits[2, ::9] = torch.randn(67, device=DEVICE)     # a row mostly NaN
+    lens = torch.full((3,), width, dtype=torch.int32, device=DEVICE)
+    launch_small(logits, lens, k, {"algo": "v3", "BLOCK": 64, "CAP": 512, "SAMPLES": 32, "PROGS": 4, "BINS": 64,
+                                   "V": 2})
+
+
+def test_algorithms_agree_on_random_rows():
     pytest.importorskip("triton")
     k, width = 24, 1000
     logits = torch.randn(4, width, device=DEVICE)
@@ -158,15 +180,15 @@ def test_v1_and_v2_agree_on_random_rows():
     starts = torch.tensor([0, 1, 299, 13], dtype=torch.int32, device=DEVICE)
     ref = topk_indices(logits, lens, k, row_starts=starts, impl="torch")
     outs = []
-    for algo in ("v1", "v2"):
+    for algo in ("v1", "v2", "v3"):
         from dsacache.ops.topk.triton_kernels import launch_topk
 
         out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
         launch_topk(logits, lens, starts, out, {"algo": algo, "BLOCK": 128, "CAP": 256, "SAMPLES": 64, "SPLITS": 2,
-                                                "BINS": 128})
+                                                "PROGS": 2, "BINS": 128, "V": 2})
         assert torch.equal(out, ref), algo
         outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--len", dest="lens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("-k", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time a few launch settings per shape")
-    parser.add_argument("--algo", nargs="+", default=[], choices=["v1", "v2"],
+    parser.add_argument("--algo", nargs="+", default=[], choices=["v1", "v2", "v3"],
                         help="also time these top-k algorithms (the default is v2)")
     parser.add_argument("--kernel-times", action="store_true",
                         help="with --algo: each kernel's own time from the CUDA profiler (run last: the "

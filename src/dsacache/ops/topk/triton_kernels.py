@@ -41,6 +41,22 @@ moves the sequential work off the one-program-a-row path, in three launches:
    prefix sum writes the output. A segment holding more than its share of ``CAP`` (a skewed
    row) takes the v1 gather path, a missed cut-off or an overflowing segment the v1
    whole-row path.
+
+The default ``algo="v3"`` keeps v2's cut-off kernel and contract, and reworks the two later
+steps for latency:
+
+2. ``_topk_filter_v3_kernel``, PROGS one-warp programs a row (~32 an SM): each streams its
+   slice with the next tile's loads in flight, tests ``x >= float(cut)`` (the cut-off is
+   never +0.0 or NaN, see ``_float_cut``), places candidates with a warp-local prefix sum
+   and writes (key, position) pairs and histogram counts with predicated PTX stores, so
+   nothing goes through shared memory and no barrier stalls the loop.
+3. ``_topk_select_v3_kernel``, one program a row: all its loads are issued up front; the
+   histogram names the chosen bin, whose few candidates (at most TIES) are ranked pairwise
+   on (key, position), else by radix passes; one prefix sum writes the output. A skewed row
+   (a program over its CAP / PROGS share, e.g. logits growing with the position) is filtered
+   again inside the select into a dense buffer and selected the same way, instead of v2's
+   whole-row fallback. Loops over radix passes are runtime loops: the select is latency-
+   bound and straight-line code larger than the instruction cache made it slower.
 """
 
 from __future__ import annotations
@@ -49,16 +65,23 @@ import torch
 import triton
 import triton.language as tl
 
-from dsacache.ops.triton_utils import check_launch, loop_bound
+from dsacache.ops.triton_utils import INTERPRET, check_launch, loop_bound
 
-#: Launch settings: ``algo`` ("v2" or "v1"), BLOCK logits a step, SAMPLES for the cut-off
-#: (None: 1024 for v1, 2048 for v2). CAP (candidate buffer length, default
-#: CANDIDATES_PER_K * k, a power of two for v2) and SPLITS (programs a row's candidate
-#: search uses, default from the row and SM counts) may be set to override. v2 only: BINS
-#: (candidate histogram), SAMPLE_RUN (adjacent logits a sample run), select_warps, STREAMS
-#: (per-warp candidate streams a filter program keeps, one warp each; 1 = one stream a program).
-TOPK_CONFIG = {"algo": "v2", "BLOCK": 2048, "SAMPLES": None, "num_warps": 8, "CAP": None, "SPLITS": None,
-               "BINS": 2048, "SAMPLE_RUN": 8, "select_warps": 16, "STREAMS": 8}
+#: Inline PTX is used where it exists (CUDA, compiled); elsewhere the plain Triton ops.
+PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
+
+#: Launch settings: ``algo`` ("v3", "v2" or "v1"), BLOCK logits a step, SAMPLES for the
+#: cut-off (None: 1024 for v1, 2048 for v2 and v3). CAP (candidate buffer length, default
+#: CANDIDATES_PER_K * k, a power of two for v2 and v3) may be set to override. v1 and v2:
+#: SPLITS (programs a row's candidate search uses, default from the row and SM counts).
+#: v2 and v3: BINS (candidate histogram), SAMPLE_RUN (adjacent logits a sample run),
+#: SAMPLE_BITS (radix digit of the cut-off search), num_warps (cut-off kernel), select_warps.
+#: v2 only: STREAMS (per-warp candidate streams a filter program keeps). v3 only: PROGS
+#: (one-warp filter programs a row, default from the row and SM counts), V (logits a lane a
+#: filter step), TIES (largest chosen bin ranked pairwise), asm (inline PTX where available).
+TOPK_CONFIG = {"algo": "v3", "BLOCK": 2048, "SAMPLES": None, "num_warps": 8, "CAP": None, "SPLITS": None,
+               "BINS": 2048, "SAMPLE_RUN": 8, "select_warps": 16, "STREAMS": 8, "PROGS": None, "V": 8,
+               "TIES": 32, "asm": True, "SAMPLE_BITS": 8}
 CANDIDATES_PER_K = 4
 RADIX_BITS = 4
 
@@ -98,15 +121,15 @@ def _radix_select(src, n, need, FROM_LOGITS: tl.constexpr, BLOCK: tl.constexpr, 
     num_blocks = tl.cdiv(n, BLOCK)
     done = need == 0
     prefix = tl.where(done, tl.full([], 1 << 32, tl.int64), tl.zeros([], tl.int64))
-    for p in tl.static_range(32 // BITS):
+    for p in range(32 // BITS):  # a runtime loop: one copy of the pass in the code (instruction cache)
         shift = 32 - BITS * (p + 1)
         hist = tl.zeros([BINS], tl.int32)
         for c in tl.range(0, loop_bound(tl.where(done, 0, num_blocks)), num_stages=3):
             idx = c * BLOCK + lanes
             valid = idx < n
             key = _keys_at(src, idx, valid, FROM_LOGITS)
-            if p > 0:
-                valid = valid & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
+            # the digits above this pass's match the prefix (none above the first pass's)
+            valid = valid & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
             hist += tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=valid)
         at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
         chosen = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1
@@ -207,7 +230,7 @@ def _topk_filter_kernel(
 
 @triton.jit
 def _gather_segments(seg_keys, seg_pos, counts, buf_keys, buf_pos, total,
-                     CAP: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                     CAP: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr = 1):
     """Concatenate the SPLITS candidate segments (in split order, so in position order)."""
     lanes = tl.arange(0, BLOCK)
     splits = tl.arange(0, SPLITS)
@@ -218,7 +241,7 @@ def _gather_segments(seg_keys, seg_pos, counts, buf_keys, buf_pos, total,
         valid = j < total
         owner = tl.sum((j[:, None] >= ends[None, :]).to(tl.int32), axis=1)
         offset = j - tl.sum(tl.where(owner[:, None] == splits[None, :], firsts[None, :], 0), axis=1)
-        src = owner.to(tl.int64) * CAP + offset
+        src = (owner.to(tl.int64) * CAP + offset) * PAIR  # PAIR = 2: (key, pos) interleaved
         tl.store(buf_keys + j, tl.load(seg_keys + src, mask=valid), mask=valid)
         tl.store(buf_pos + j, tl.load(seg_pos + src, mask=valid), mask=valid)
 
@@ -262,10 +285,11 @@ def _topk_select_kernel(
 
 @triton.jit
 def _select_gathered(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, want, out_row,
-                     STRIDE: tl.constexpr, NSEG: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+                     STRIDE: tl.constexpr, NSEG: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                     PAIR: tl.constexpr = 1):
     """Concatenate the NSEG candidate segments (STRIDE apart) into the row's buffer, then
     select the top ``want`` of those ``total`` candidates."""
-    _gather_segments(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, STRIDE, NSEG, BLOCK)
+    _gather_segments(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, STRIDE, NSEG, BLOCK, PAIR)
     tl.debug_barrier()  # the buffer was written by other threads of this program
     cut, ties = _radix_select(buf_keys, total, want, False, BLOCK, BITS)
     _collect(buf_keys, buf_pos, total, cut, ties, out_row, False, BLOCK)
@@ -309,7 +333,7 @@ def _radix_narrow(keys, mask, count, need, prefix, top, slack, BITS: tl.constexp
     size: tl.constexpr = keys.numel
     whole = (need == count) | (count <= slack)
     done = whole | (top == 0)
-    for _ in tl.static_range(PASSES):
+    for _ in range(PASSES):  # a runtime loop: one copy of the pass in the code (instruction cache)
         if not done:
             shift = tl.maximum(top - BITS, 0)
             high = ((0xFFFFFFFF << top.to(tl.int64)) & 0xFFFFFFFF).to(tl.uint32)
@@ -336,6 +360,14 @@ def _long_row(n, K: tl.constexpr, SAMPLES: tl.constexpr):
 
 
 @triton.jit
+def _float_cut(cut):
+    """The cut-off key lowered, where needed, so that ``key(x) >= cut`` is ``x >= float(cut)``:
+    +0.0 -> -0.0 and NaN (key 0) -> -inf. Lowering a cut-off only adds candidates."""
+    cut = tl.where(cut == 0x80000000, 0x7FFFFFFF, cut)
+    return tl.where(cut == 0, 0x007FFFFF, cut).to(tl.uint32)
+
+
+@triton.jit
 def _topk_cutoff_kernel(
     logits_ptr,       # [R, row_stride] fp32
     lens_ptr,         # [R] int32, clamped to the row
@@ -345,6 +377,7 @@ def _topk_cutoff_kernel(
     hist_ptr,         # [R, BINS] int32 out: zeroed for _topk_filter_v2_kernel
     row_stride,
     K: tl.constexpr, SAMPLES: tl.constexpr, SAMPLE_RUN: tl.constexpr, BINS: tl.constexpr,
+    SAMPLE_BITS: tl.constexpr = 8,
 ):
     """v2 step 1, one program a row: a cut-off key with, most likely, a little over K of
     the row's keys at or above it (from SAMPLES keys in evenly spaced runs)."""
@@ -359,13 +392,12 @@ def _topk_cutoff_kernel(
         expected = (K * SAMPLES + n - 1) // n
         target = expected + 4 * tl.sqrt(expected.to(tl.float32)).to(tl.int32) + 8
         target = tl.minimum(target, SAMPLES)
-        SAMPLE_BITS: tl.constexpr = 8  # 256-bin digits: few passes over few keys
         cut, _, _ = _radix_narrow(keys, lanes < SAMPLES, SAMPLES, target, tl.zeros([], tl.uint32),
                                   tl.full([], 32, tl.int32), target // 8 + 1, SAMPLE_BITS, 32 // SAMPLE_BITS)
         # Bins as wide as needed for the sampled maximum to land in the lower half.
         log_bins = _bit_length(tl.full([], BINS, tl.uint32)) - 1
         shift = tl.maximum(_bit_length(tl.max(keys, axis=0) - cut) - (log_bins - 1), 0)
-        tl.store(cut_ptr + row, cut.to(tl.int32, bitcast=True))
+        tl.store(cut_ptr + row, _float_cut(cut).to(tl.int32, bitcast=True))
         tl.store(shift_ptr + row, shift)
 
 
@@ -466,8 +498,13 @@ def _topk_filter_v2_kernel(
 def _histogram_cut(hist_row, want, BINS: tl.constexpr):
     """(bin, left, in_bin): the bin holding the want-th largest candidate, how many to take
     from it, and how many it holds."""
-    bins = tl.arange(0, BINS)
-    hist = tl.load(hist_row + bins)
+    return _histogram_cut_of(tl.load(hist_row + tl.arange(0, BINS)), want)
+
+
+@triton.jit
+def _histogram_cut_of(hist, want):
+    """_histogram_cut of the histogram's values."""
+    bins = tl.arange(0, hist.numel)
     at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
     chosen = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
     in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
@@ -562,6 +599,237 @@ def _topk_select_v2_kernel(
 
 
 @triton.jit
+def _filter_warp(row_ptr, start, lo, hi, hi_load, cut, shift, hist_row, seg,
+                 SEG_CAP: tl.constexpr, BINS: tl.constexpr, V: tl.constexpr, USE_ASM: tl.constexpr):
+    """One warp's candidates of columns [lo, hi) (``hi_load >= hi`` bounds the loads, a multiple
+    of 4 when ``lo`` is, so they vectorize): (key, position - start) pairs of each key >= cut,
+    in order, into the segment ``seg`` (at most SEG_CAP pairs), each counted into the row's
+    histogram of ``(key - cut) >> shift`` (the last bin open). The next tile is loaded before
+    this one is scanned, so two tiles of loads are in flight.
+
+    ``cut`` is never the key of +0.0 or of NaN (see ``_float_cut``), so ``x >= float(cut)``
+    is ``key(x) >= cut``: the test runs on the float, the key is built only to be stored.
+    Returns the count (may exceed SEG_CAP)."""
+    TILE: tl.constexpr = 32 * V
+    lanes = tl.arange(0, TILE)
+    cut_f = _key_to_float(cut)
+    span = (hi - start).to(tl.uint32)
+    count = tl.zeros([], tl.int32)
+    col = lo + lanes
+    x = tl.load(row_ptr + col, mask=col < hi_load, other=0.0)
+    for c in tl.range(0, loop_bound(tl.cdiv(hi - lo, TILE)), num_stages=1):
+        nxt = col + TILE
+        x_next = tl.load(row_ptr + nxt, mask=nxt < hi_load, other=0.0)
+        pos = col - start
+        keep = (x >= cut_f) & (pos.to(tl.uint32) < span)
+        keep_i = keep.to(tl.int32)
+        slot = count + tl.cumsum(keep_i, axis=0) - keep_i
+        key = _sortable_key_not_nan(x)
+        bin_ = tl.minimum((key - cut) >> shift, BINS - 1).to(tl.int32)
+        key = key.to(tl.int32, bitcast=True)
+        if USE_ASM:
+            _emit_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP)
+        else:
+            room = keep & (slot < SEG_CAP)
+            tl.store(seg + 2 * slot, key, mask=room)
+            tl.store(seg + 2 * slot + 1, pos, mask=room)
+            tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
+        count += tl.sum(keep_i, axis=0)
+        col = nxt
+        x = x_next
+    return count
+
+
+@triton.jit
+def _sortable_key_not_nan(x):
+    """_sortable_key for an x known not to be NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) | (-0x80000000))).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _emit_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP: tl.constexpr):
+    """Where ``keep``: seg[2 * slot : 2 * slot + 2] = (key, pos) (if slot < SEG_CAP), one
+    predicated 8-byte store, and hist_row[bin_] += 1, as PTX. As ``tl.store`` and
+    ``tl.atomic_add`` the scattered addresses would make Triton move every value into a
+    one-element-a-thread layout through shared memory first; here they stay in the load's."""
+    tl.inline_asm_elementwise(
+        """{ .reg .pred k, r; .reg .b64 a;
+        setp.ne.b32 k, $7, 0;
+        setp.lt.and.s32 r, $3, $8, k;
+        mad.wide.s32 a, $3, 8, $1;
+        @r st.global.v2.b32 [a], {$5, $6};
+        mad.wide.s32 a, $4, 4, $2;
+        @k red.global.add.u32 [a], 1;
+        mov.b32 $0, 0; }""",
+        "=r,l,l,r,r,r,r,r,r",
+        [seg.to(tl.int64, bitcast=True), hist_row.to(tl.int64, bitcast=True), slot, bin_, key, pos,
+         keep.to(tl.int32), tl.full(slot.shape, SEG_CAP, tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _topk_filter_v3_kernel(
+    logits_ptr,       # [R, row_stride] fp32
+    lens_ptr,         # [R] int32, clamped to the row
+    starts_ptr,       # [R] int32, clamped to the row
+    cut_ptr,          # [R] int32 (from _topk_cutoff_kernel)
+    shift_ptr,        # [R] int32
+    hist_ptr,         # [R, BINS] int32: candidates a bin, accumulated by every program of the row
+    seg_ptr,          # [R, PROGS, SEG_CAP, 2] int32 scratch: (key, position) of each program's candidates, in order
+    counts_ptr,       # [R, PROGS] int32: candidates found by each program (may exceed SEG_CAP)
+    row_stride,
+    K: tl.constexpr, SAMPLES: tl.constexpr, PROGS: tl.constexpr, SEG_CAP: tl.constexpr, BINS: tl.constexpr,
+    V: tl.constexpr, ALIGNED: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """v3 step 2, PROGS one-warp programs a long row: candidates at or above the row's
+    cut-off. One warp a program keeps every scan inside the warp (no barrier in the loop)
+    and lets ~32 programs share an SM, so enough loads are in flight to stream the row."""
+    prog = tl.program_id(0)
+    row = tl.program_id(1)
+    n = tl.load(lens_ptr + row)
+    if _long_row(n, K, SAMPLES):
+        TILE: tl.constexpr = 32 * V
+        start = tl.load(starts_ptr + row)
+        end = start + n
+        first = tl.multiple_of((start // TILE) * TILE, TILE)  # tiles start aligned: loads vectorize
+        chunk = tl.multiple_of(tl.cdiv(tl.cdiv(end - first, PROGS), TILE) * TILE, TILE)
+        lo = first + prog * chunk
+        hi = tl.minimum(lo + chunk, end)
+        if ALIGNED:  # the row's width is a multiple of 4: the 4-wide loads stay inside it
+            hi_load = tl.multiple_of(tl.cdiv(hi, 4) * 4, 4)
+        else:
+            hi_load = hi
+        seg = seg_ptr + (row.to(tl.int64) * PROGS + prog) * (2 * SEG_CAP)
+        count = _filter_warp(logits_ptr + row.to(tl.int64) * row_stride, start, lo, hi, hi_load,
+                             tl.load(cut_ptr + row).to(tl.uint32, bitcast=True), tl.load(shift_ptr + row),
+                             hist_ptr + row.to(tl.int64) * BINS, seg, SEG_CAP, BINS, V, USE_ASM)
+        tl.store(counts_ptr + row * PROGS + prog, count)
+
+
+@triton.jit
+def _exclusive_scan_2d(flags):
+    """Exclusive prefix sum of an int32 [S, L] tensor in row-major order."""
+    inclusive = tl.cumsum(flags, axis=1)
+    totals = tl.sum(flags, axis=1)
+    return (inclusive - flags) + (tl.cumsum(totals, axis=0) - totals)[:, None]
+
+
+@triton.jit
+def _cut_in_bin(dist, pos, in_chosen, in_bin, left, scratch_keys, scratch_pos, TIES: tl.constexpr):
+    """The ``left``-th of the ``in_bin`` (at most TIES) candidates flagged ``in_chosen``, in
+    the order distance (largest first) then position (lowest first), as (dist, pos): the
+    flagged candidates ranking at or above it are taken. They are compacted to scratch and
+    ranked pairwise."""
+    at = _exclusive_scan_2d(in_chosen.to(tl.int32))
+    tl.store(scratch_keys + at, dist.to(tl.int32, bitcast=True), mask=in_chosen)
+    tl.store(scratch_pos + at, pos, mask=in_chosen)
+    tl.debug_barrier()  # scratch was written by other threads of this program
+    j = tl.arange(0, TIES)
+    live = j < in_bin
+    d = tl.load(scratch_keys + j, mask=live, other=0).to(tl.uint32, bitcast=True)
+    p = tl.load(scratch_pos + j, mask=live, other=0)
+    di, pi, dj, pj = d[:, None], p[:, None], d[None, :], p[None, :]
+    ahead = live[:, None] & ((di > dj) | ((di == dj) & (pi < pj)))   # i ranks before j
+    rank = tl.sum(ahead.to(tl.int32), axis=0)
+    pick = live & (rank == left - 1)
+    return tl.max(tl.where(pick, d, 0), axis=0), tl.max(tl.where(pick, p, -1), axis=0)
+
+
+@triton.jit
+def _select_v3(keys, pos, valid, hist, cut, shift, want, out_row, scratch_keys, scratch_pos,
+               BITS: tl.constexpr, TIES: tl.constexpr):
+    """Exact top ``want`` of the candidates ``keys`` / ``pos`` (2-D int32 tiles, row-major in
+    position order, ``valid`` where there is one), written in position order.
+
+    The candidates become distances above the cut-off; the filter's histogram of
+    ``dist >> shift`` (``hist``, the last bin open) names the bin holding the want-th largest.
+    A bin of at most TIES candidates is ranked pairwise, a larger one (ties) by radix passes."""
+    BINS: tl.constexpr = hist.numel
+    chosen, left, in_bin = _histogram_cut_of(hist, want)
+    dist = keys.to(tl.uint32, bitcast=True) - cut
+    bin_ = tl.minimum(dist >> shift, BINS - 1).to(tl.int32)
+    in_chosen = valid & (bin_ == chosen)
+    if (left == in_bin) | (in_bin <= TIES):
+        if left == in_bin:
+            take = valid & (bin_ >= chosen)
+        else:
+            cut_d, cut_p = _cut_in_bin(dist, pos, in_chosen, in_bin, left, scratch_keys, scratch_pos, TIES)
+            take = valid & ((bin_ > chosen) | (in_chosen & ((dist > cut_d) | ((dist == cut_d) & (pos <= cut_p)))))
+        tl.store(out_row + _exclusive_scan_2d(take.to(tl.int32)), pos, mask=take)
+    else:
+        last = chosen == BINS - 1
+        top = tl.where(last, 32, shift)
+        low = tl.where(last, 0, chosen << shift).to(tl.uint32)
+        cut_dist, ties, whole = _radix_narrow(dist, in_chosen, in_bin, left, low, top, 0, BITS, 32 // BITS)
+        _write_in_order(dist, pos, valid, cut_dist, tl.where(whole, dist.numel, ties), out_row)
+
+
+@triton.jit
+def _topk_select_v3_kernel(
+    logits_ptr,       # [R, row_stride] fp32
+    lens_ptr,         # [R] int32, clamped to the row
+    starts_ptr,       # [R] int32, clamped to the row
+    out_ptr,          # [R, K] int32
+    cut_ptr,          # [R] int32 (from _topk_cutoff_kernel)
+    shift_ptr,        # [R] int32
+    hist_ptr,         # [R, BINS] int32 (from _topk_filter_v3_kernel)
+    seg_ptr,          # [R, PROGS, CAP // PROGS, 2] int32 (from _topk_filter_v3_kernel)
+    counts_ptr,       # [R, PROGS] int32
+    buf_keys_ptr,     # [R, CAP + TIES] int32 scratch: a skewed row's candidates again, densely; the chosen bin's
+    buf_pos_ptr,      # [R, CAP + TIES] int32 scratch
+    row_stride,
+    K: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLES: tl.constexpr, PROGS: tl.constexpr,
+    BINS: tl.constexpr, BITS: tl.constexpr, TIES: tl.constexpr,
+):
+    """v3 step 3, one program a row: exact selection from the candidates in registers.
+
+    A skewed row (a program found more than its CAP / PROGS share, e.g. logits that grow
+    with the position) is filtered again here, whole, into a dense buffer, and selected the
+    same way; short rows and a missed cut-off take the v1 paths."""
+    SEG: tl.constexpr = CAP // PROGS
+    LANES: tl.constexpr = 128
+    row = tl.program_id(0)
+    # Every load the register path needs is issued here, before anything waits on another
+    # (for a row that turns out short they are unused; the scratch past a count is garbage,
+    # masked below).
+    counts = tl.load(counts_ptr + row * PROGS + tl.arange(0, PROGS))
+    cut = tl.load(cut_ptr + row).to(tl.uint32, bitcast=True)
+    shift = tl.load(shift_ptr + row)
+    hist = tl.load(hist_ptr + row.to(tl.int64) * BINS + tl.arange(0, BINS))
+    lane = tl.arange(0, SEG)[None, :]
+    src = seg_ptr + (row.to(tl.int64) * CAP + tl.arange(0, PROGS)[:, None] * SEG + lane) * 2
+    keys = tl.load(src)
+    pos = tl.load(src + 1)
+    n, row_ptr = _row_setup(logits_ptr, lens_ptr, starts_ptr, row, row_stride)
+    out_row = out_ptr + row.to(tl.int64) * K
+    want = tl.minimum(n, K)
+
+    if n <= K:
+        _collect(row_ptr, row_ptr, n, tl.full([], -1, tl.int64), 0, out_row, True, BLOCK)
+    elif not _long_row(n, K, SAMPLES):
+        _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
+    else:
+        total = tl.sum(counts, axis=0)
+        buf_keys = buf_keys_ptr + row.to(tl.int64) * (CAP + TIES)
+        buf_pos = buf_pos_ptr + row.to(tl.int64) * (CAP + TIES)
+        if (total < want) | (total > CAP):
+            _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)  # the cut-off missed
+        elif tl.max(counts, axis=0) <= SEG:
+            _select_v3(keys, pos, lane < counts[:, None], hist, cut, shift, want, out_row, buf_keys, buf_pos,
+                       BITS, TIES)
+        else:
+            _filter(row_ptr, 0, n, _key_to_float(cut), buf_keys, buf_pos, CAP, BLOCK)
+            tl.debug_barrier()  # the buffer was written by other threads of this program
+            j = tl.arange(0, CAP // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :]
+            live = j < total
+            # buf_keys doubles as the chosen bin's scratch: past the candidates
+            _select_v3(tl.load(buf_keys + j, mask=live, other=0), tl.load(buf_pos + j, mask=live, other=-1), live,
+                       hist, cut, shift, want, out_row, buf_keys + total, buf_pos + total, BITS, TIES)
+    _fill_tail(out_row, want, K, BLOCK)
+
+
+@triton.jit
 def _positions_to_slots_kernel(
     pos_ptr,          # [R, K] int32
     bt_ptr,           # [B, max_blocks] int32
@@ -601,8 +869,8 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, 
     cfg = {**TOPK_CONFIG, **(config or {})}
     check_launch(logits.stride(1) == 1 and out.is_contiguous(), "contiguous logits rows and out")
     check_launch(lens.is_contiguous() and starts.is_contiguous(), "contiguous lengths and row starts")
-    check_launch(cfg["algo"] in ("v1", "v2"), f"algo {cfg['algo']!r} is v1 or v2")
-    launch = _launch_v2 if cfg["algo"] == "v2" else _launch_v1
+    check_launch(cfg["algo"] in ("v1", "v2", "v3"), f"algo {cfg['algo']!r} is v1, v2 or v3")
+    launch = {"v1": _launch_v1, "v2": _launch_v2, "v3": _launch_v3}[cfg["algo"]]
     launch(logits, lens, starts, out, cfg, _num_sms(logits.device))
 
 
@@ -650,6 +918,44 @@ def _launch_v2(logits, lens, starts, out, cfg, num_sms):
     _topk_select_v2_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg_keys, seg_pos, counts,
                                     buf_keys, buf_pos, stride, BITS=RADIX_BITS, num_warps=cfg["select_warps"],
                                     **common)
+
+
+def topk_progs_v3(rows: int, num_sms: int, cap: int) -> int:
+    """One-warp filter programs a long row gets in v3: about 32 an SM in all (64 rows on 132
+    SMs: 64; 256 rows: 16), a power of two, with at least 128 candidate slots each."""
+    per_row = max(1, 32 * num_sms // max(rows, 1))
+    return max(1, min(1 << (per_row.bit_length() - 1), cap // 128, 256))
+
+
+def _launch_v3(logits, lens, starts, out, cfg, num_sms):
+    rows, k = logits.shape[0], out.shape[1]
+    cap = cfg.get("CAP") or max(128, triton.next_power_of_2(CANDIDATES_PER_K * k))
+    progs = cfg.get("PROGS") or topk_progs_v3(rows, num_sms, cap)
+    samples, bins, vec = cfg["SAMPLES"] or 2048, cfg["BINS"], cfg["V"]
+    check_launch(cap & (cap - 1) == 0 and progs & (progs - 1) == 0 and 128 * progs <= cap < 2**16,
+                 "v3: CAP and PROGS powers of two, 128 * PROGS <= CAP < 65536")
+    check_launch(vec & (vec - 1) == 0 and bins & (bins - 1) == 0 and samples % cfg["SAMPLE_RUN"] == 0,
+                 "v3: V and BINS powers of two, SAMPLE_RUN | SAMPLES")
+    device = logits.device
+    seg = torch.empty(rows, cap, 2, dtype=torch.int32, device=device)  # [R, PROGS, CAP // PROGS, 2]
+    counts = torch.empty(rows, progs, dtype=torch.int32, device=device)
+    buf_keys = torch.empty(rows, cap + cfg["TIES"], dtype=torch.int32, device=device)
+    buf_pos = torch.empty_like(buf_keys)
+    cut = torch.empty(rows, dtype=torch.int32, device=device)
+    shift = torch.empty_like(cut)
+    hist = torch.empty(rows, bins, dtype=torch.int32, device=device)
+    stride = logits.stride(0)
+    aligned = logits.shape[1] % 4 == 0 and stride % 4 == 0 and logits.data_ptr() % 16 == 0
+    _topk_cutoff_kernel[(rows,)](logits, lens, starts, cut, shift, hist, stride, K=k, SAMPLES=samples,
+                                 SAMPLE_RUN=cfg["SAMPLE_RUN"], BINS=bins, SAMPLE_BITS=cfg["SAMPLE_BITS"],
+                                 num_warps=cfg["num_warps"])
+    common = dict(K=k, SAMPLES=samples, PROGS=progs, BINS=bins)
+    _topk_filter_v3_kernel[(progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, stride,
+                                          SEG_CAP=cap // progs, V=vec, ALIGNED=aligned,
+                                          USE_ASM=cfg["asm"] and PTX_AVAILABLE, num_warps=1, **common)
+    _topk_select_v3_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg, counts, buf_keys, buf_pos,
+                                    stride, BLOCK=cfg["BLOCK"], CAP=cap, BITS=RADIX_BITS, TIES=cfg["TIES"],
+                                    num_warps=cfg["select_warps"], **common)
 
 
 def _num_sms(device: torch.device) -> int:
