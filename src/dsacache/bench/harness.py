@@ -49,14 +49,27 @@ def machine_header() -> dict:
     }
 
 
-def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30) -> float:
-    """Median milliseconds of ``fn`` over ``rep`` launches, timed with CUDA events."""
+#: GPU cycles of the spin kernel queued ahead of a timed launch (~0.5 ms): longer than the host
+#: takes to launch a captured graph, so the start event and the graph's kernels run back to back.
+SPIN_CYCLES = 1_000_000
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30, spin: bool = False) -> float:
+    """Median milliseconds of ``fn`` over ``rep`` launches, timed with CUDA events.
+
+    With ``spin`` the GPU is kept busy while the host launches ``fn`` (a spin kernel runs
+    before the start event), so the time is the device's alone: without it an idle GPU waits
+    for the host between the start event and the first kernel (~10 us for a graph replay),
+    which is host overhead, not the op's. Leave it off to time an eager call as a user sees it.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(rep):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if spin:
+            torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         fn()
         end.record()

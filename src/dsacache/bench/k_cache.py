@@ -117,7 +117,7 @@ def time_graph(fn, calls: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return time_cuda(graph.replay, warmup=2, rep=10) / calls
+    return time_cuda(graph.replay, warmup=2, rep=10, spin=True) / calls
 
 
 def _launch_floor() -> tuple[float, float]:
