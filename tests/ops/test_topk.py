@@ -201,6 +201,21 @@ def test_nan_ranks_last_and_ties_go_low(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_int64_lengths_and_starts_out_of_range_are_clamped(impl):
+    """Lengths and starts may be int64 and outside the row: both paths clamp them alike
+    (the kernels themselves, without extra launches)."""
+    width, k = 300, 16
+    logits = torch.randn(4, width, device=DEVICE)
+    lens = torch.tensor([-3, width + 10, 5, 200], dtype=torch.int64, device=DEVICE)
+    starts = torch.tensor([-2, 3, width + 1, 150], dtype=torch.int64, device=DEVICE)
+    out = run_topk(impl, logits, lens, k, row_starts=starts)
+    assert torch.equal(out, run_topk("torch", logits, lens.int(), k, row_starts=starts.int()))
+    assert (out[0] == -1).all() and (out[2] == -1).all()
+    assert torch.equal(out[1], torch.topk(logits[1, 3:], k).indices.sort().values.int())
+    assert torch.equal(out[3], torch.topk(logits[3, 150:], k).indices.sort().values.int())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_row_starts_are_prefill_windows(impl):
     k = 16
     logits = distinct_logits(3, 300)

@@ -9,6 +9,7 @@ logits read once plus the int32 positions written. Times are CUDA-graph replays;
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -25,20 +26,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a few launch settings per shape")
     parser.add_argument("--algo", nargs="+", default=[], choices=["v1", "v2", "v3"],
                         help="also time these top-k algorithms (the default is v2)")
+    parser.add_argument("--dist", nargs="+", default=["randn"], choices=list(DISTRIBUTIONS),
+                        help="logits rows to time (each checked first): " + "; ".join(
+                            f"{name}: {what}" for name, what in DISTRIBUTIONS.items()))
     parser.add_argument("--kernel-times", action="store_true",
                         help="with --algo: each kernel's own time from the CUDA profiler (run last: the "
                              "profiler slows the launches timed after it)")
 
 
-SWEEP = [{"algo": "v2", "STREAMS": 1}, {"algo": "v2", "STREAMS": 4}, {"algo": "v2", "SPLITS": 4},
-         {"algo": "v2", "SPLITS": 16}, {"algo": "v2", "STREAMS": 1, "BLOCK": 1024, "num_warps": 4},
-         {"algo": "v2", "select_warps": 8}, {"algo": "v2", "SAMPLES": 4096}, {"algo": "v1", "SPLITS": 1}]
+SWEEP = [{"algo": "v3", "pdl": False}, {"algo": "v3", "select_warps": 16}, {"algo": "v3", "select_warps": 8},
+         {"algo": "v3", "V": 4}, {"algo": "v3", "SAMPLE_BITS": 8}, {"algo": "v3", "SAMPLES": 1024},
+         {"algo": "v3", "TIES": 64}, {"algo": "v2"}, {"algo": "v1", "SPLITS": 1}]
 
 
 def run_sweep(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.Tensor) -> None:
     from dsacache.ops.topk.triton_kernels import launch_topk
 
-    starts = torch.zeros_like(seq_lens)
+    starts = None  # as topk_indices passes it without row_starts
     out = torch.empty(logits.shape[0], k, dtype=torch.int32, device="cuda")
     for cfg in SWEEP:
         launch_topk(logits, seq_lens, starts, out, cfg)
@@ -65,7 +69,7 @@ def run_algos(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.T
     """Time each algorithm (CUDA graph); with ``kernel_times``, also its kernels' own times."""
     from dsacache.ops.topk.triton_kernels import launch_topk
 
-    starts = torch.zeros_like(seq_lens)
+    starts = None  # as topk_indices passes it without row_starts
     out = torch.empty(logits.shape[0], k, dtype=torch.int32, device="cuda")
     for algo in algos:
         cfg = {"algo": algo}
@@ -81,10 +85,33 @@ def run_algos(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.T
         print(f"algo {algo} {tuple(logits.shape)}: {ms * 1e3:.1f} us (graph){parts}", flush=True)
 
 
-def make_logits(rows: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(rows, length, device="cuda", generator=gen)
-    seq_lens = torch.full((rows,), length, dtype=torch.int32, device="cuda")
+#: Logits rows the bench can time (``--dist``): what each stresses in the kernels.
+DISTRIBUTIONS = {
+    "randn": "independent N(0, 1): candidates spread evenly over the row",
+    "ramp": "N(0, 1) plus a ramp of 0 -> 6 along the row (recency bias): candidates pile up at the end",
+    "ties": "integers 0..49: every value tied thousands of times",
+    "sorted": "each row ascending: every candidate in the last slice",
+    "mixed": "a third of the rows ReLU'd (exact zeros), every 7th NaN-dotted",
+}
+
+
+def make_logits(rows: int, length: int, seed: int = 0, dist: str = "randn",
+                device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, length]`` fp32 logits drawn from ``DISTRIBUTIONS[dist]``, and full lengths."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(rows, length, device=device, generator=gen)
+    if dist == "ramp":
+        logits += torch.linspace(0, 6, length, device=device)
+    elif dist == "ties":
+        logits = torch.randint(0, 50, (rows, length), device=device, generator=gen).float()
+    elif dist == "sorted":
+        logits = logits.sort(dim=1).values
+    elif dist == "mixed":
+        logits[::3] = logits[::3].relu()
+        logits[1::7, ::5] = float("nan")
+    elif dist != "randn":
+        raise ValueError(f"dist={dist!r}; allowed: {', '.join(DISTRIBUTIONS)}")
+    seq_lens = torch.full((rows,), length, dtype=torch.int32, device=device)
     return logits, seq_lens
 
 
@@ -108,28 +135,27 @@ def check_slots(positions: torch.Tensor, block_table: torch.Tensor) -> None:
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
     rows: list[BenchRow] = []
-    for batch in args.batch:
-        for length in args.lens:
-            logits, seq_lens = make_logits(batch, length)
-            check(logits, seq_lens, args.k)
-            ms = time_graph(lambda: topk_indices(logits, seq_lens, args.k))
-            eager_ms = time_cuda(lambda: topk_indices(logits, seq_lens, args.k))
-            torch_ms = time_graph(lambda: torch.topk(logits, args.k, dim=1))
-            nbytes = batch * length * 4 + batch * args.k * 4
-            shape = f"B={batch} L={length} k={args.k}"
-            rows.append(BenchRow("topk_indices", shape, ms, nbytes, args.ceiling_gbps,
-                                 {"eager_us": f"{eager_ms * 1e3:.1f}", "torch.topk_us": f"{torch_ms * 1e3:.1f}"}))
-            print(rows[-1].line(), flush=True)
+    for batch, length, dist in itertools.product(args.batch, args.lens, args.dist):
+        logits, seq_lens = make_logits(batch, length, dist=dist)
+        check(logits, seq_lens, args.k)
+        ms = time_graph(lambda: topk_indices(logits, seq_lens, args.k))
+        eager_ms = time_cuda(lambda: topk_indices(logits, seq_lens, args.k))
+        torch_ms = time_graph(lambda: torch.topk(logits, args.k, dim=1))
+        nbytes = batch * length * 4 + batch * args.k * 4
+        shape = f"B={batch} L={length} k={args.k}" + ("" if dist == "randn" else f" {dist}")
+        rows.append(BenchRow("topk_indices", shape, ms, nbytes, args.ceiling_gbps,
+                             {"eager_us": f"{eager_ms * 1e3:.1f}", "torch.topk_us": f"{torch_ms * 1e3:.1f}"}))
+        print(rows[-1].line(), flush=True)
 
-            positions = topk_indices(logits, seq_lens, args.k)
-            if args.algo:
-                run_algos(logits, seq_lens, args.k, positions, args.algo, args.kernel_times)
-            if args.sweep:
-                run_sweep(logits, seq_lens, args.k, positions)
-            blocks = length // KERNEL_PAGE_SIZE
-            table = torch.randperm(batch * blocks, device="cuda").view(batch, blocks).to(torch.int32)
-            check_slots(positions, table)
-            ms = time_graph(lambda: positions_to_slots(positions, table))
-            rows.append(BenchRow("positions_to_slots", shape, ms, 2 * positions.numel() * 4, args.ceiling_gbps))
-            print(rows[-1].line(), flush=True)
+        positions = topk_indices(logits, seq_lens, args.k)
+        if args.algo:
+            run_algos(logits, seq_lens, args.k, positions, args.algo, args.kernel_times)
+        if args.sweep:
+            run_sweep(logits, seq_lens, args.k, positions)
+        blocks = length // KERNEL_PAGE_SIZE
+        table = torch.randperm(batch * blocks, device="cuda").view(batch, blocks).to(torch.int32)
+        check_slots(positions, table)
+        ms = time_graph(lambda: positions_to_slots(positions, table))
+        rows.append(BenchRow("positions_to_slots", shape, ms, 2 * positions.numel() * 4, args.ceiling_gbps))
+        print(rows[-1].line(), flush=True)
     return rows

@@ -20,7 +20,7 @@ MAX_TOPK = 4096
 
 def _check_row_vector(name: str, t: torch.Tensor, rows: int) -> None:
     if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (rows,):
-        raise ValueError(f"{name} must be int32 [{rows}], got {tuple(t.shape)} {t.dtype}")
+        raise ValueError(f"{name} must be int32 or int64 [{rows}], got {tuple(t.shape)} {t.dtype}")
 
 
 def topk_indices(
@@ -42,9 +42,10 @@ def topk_indices(
         logits: ``[R, L]`` float32 (rows may be strided; columns contiguous), e.g. the
             output of :func:`~dsacache.ops.indexer_logits.paged_decode_logits` with
             ``seq_lens = context_lens.flatten()``.
-        seq_lens: ``[R]`` int32 valid length of each row (clamped to ``[0, L - s]``).
+        seq_lens: ``[R]`` int32 or int64 valid length of each row (clamped to ``[0, L - s]``).
         k: positions per row, ``1 <= k <= 4096`` (2048 by default).
-        row_starts: optional ``[R]`` int32 first valid column of each row (prefill's ``ks``);
+        row_starts: optional ``[R]`` int32 or int64 first valid column of each row (prefill's ``ks``,
+            clamped to ``[0, L]``);
             positions are returned relative to it.
         out: optional preallocated ``[R, k]`` int32 contiguous output.
         impl: ``"auto"``, ``"torch"`` or ``"triton"``.
@@ -67,25 +68,23 @@ def topk_indices(
     check_same_device(logits=logits, seq_lens=seq_lens,
                       **({} if row_starts is None else {"row_starts": row_starts}))
     _check_row_vector("seq_lens", seq_lens, num_rows)
-    if row_starts is None:
-        starts = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
-    else:
+    if row_starts is not None:
         _check_row_vector("row_starts", row_starts, num_rows)
-        starts = row_starts.to(torch.int32).clamp(0, width)
-    lens = torch.minimum(seq_lens.to(torch.int32).clamp_min(0), width - starts)
     if out is None:
         out = torch.empty(num_rows, k, dtype=torch.int32, device=logits.device)
     elif out.dtype != torch.int32 or tuple(out.shape) != (num_rows, k) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous int32 [{num_rows}, {k}] tensor, got {tuple(out.shape)} {out.dtype}")
     if not use_triton(impl, logits):
+        starts = torch.zeros_like(seq_lens) if row_starts is None else row_starts.clamp(0, width)
+        lens = torch.minimum(seq_lens.clamp_min(0), width - starts)
         return out.copy_(naive.topk_positions(logits, lens, starts, k))
 
     from dsacache.ops.topk.triton_kernels import launch_topk
 
-    if num_rows:
+    if num_rows:  # the kernels clamp the lengths and starts themselves (no extra launches)
         if logits.stride(1) != 1:
             logits = logits.contiguous()
-        launch_topk(logits, lens.contiguous(), starts.contiguous(), out)
+        launch_topk(logits, seq_lens.contiguous(), None if row_starts is None else row_starts.contiguous(), out)
     return out
 
 
