@@ -555,11 +555,20 @@ def _select_in_registers(seg_keys, seg_pos, counts, hist_row, cut, shift, want, 
     dist = tl.load(seg_keys + src, mask=valid, other=0).to(tl.uint32, bitcast=True) - cut
     pos = tl.load(seg_pos + src, mask=valid, other=-1)
     in_chosen = valid & (tl.minimum(dist >> shift, BINS - 1) == chosen)
+    _narrow_bin_and_write(dist, pos, valid, in_chosen, chosen, left, in_bin, shift, out_row, BINS, BITS)
+
+
+@triton.jit
+def _narrow_bin_and_write(dist, pos, valid, in_chosen, chosen, left, in_bin, shift, out_row,
+                          BINS: tl.constexpr, BITS: tl.constexpr):
+    """Radix passes over the ``in_bin`` candidates of histogram bin ``chosen`` (those flagged
+    ``in_chosen``; bins are ``dist >> shift``, the last one open) for the ``left``-th largest,
+    then write every taken position in order."""
     last = chosen == BINS - 1
     top = tl.where(last, 32, shift)
     low = tl.where(last, 0, chosen << shift).to(tl.uint32)
     cut_dist, ties, whole = _radix_narrow(dist, in_chosen, in_bin, left, low, top, 0, BITS, 32 // BITS)
-    _write_in_order(dist, pos, valid, cut_dist, tl.where(whole, CAP, ties), out_row)
+    _write_in_order(dist, pos, valid, cut_dist, tl.where(whole, dist.numel, ties), out_row)
 
 
 @triton.jit
@@ -797,11 +806,7 @@ def _select_v3(keys, pos, valid, hist, cut, shift, want, out_row, scratch_keys, 
             take = valid & ((bin_ > chosen) | (in_chosen & ((dist > cut_d) | ((dist == cut_d) & (pos <= cut_p)))))
         tl.store(out_row + _exclusive_scan_2d(take.to(tl.int32)), pos, mask=take)
     else:
-        last = chosen == BINS - 1
-        top = tl.where(last, 32, shift)
-        low = tl.where(last, 0, chosen << shift).to(tl.uint32)
-        cut_dist, ties, whole = _radix_narrow(dist, in_chosen, in_bin, left, low, top, 0, BITS, 32 // BITS)
-        _write_in_order(dist, pos, valid, cut_dist, tl.where(whole, dist.numel, ties), out_row)
+        _narrow_bin_and_write(dist, pos, valid, in_chosen, chosen, left, in_bin, shift, out_row, BINS, BITS)
 
 
 @triton.jit
