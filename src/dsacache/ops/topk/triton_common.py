@@ -28,6 +28,7 @@ from dsacache.ops.triton_utils import INTERPRET, loop_bound
 if not INTERPRET:
     from triton.language.extra.cuda import gdc_launch_dependents
 
+
 #: Inline PTX is used where it exists (CUDA, compiled); elsewhere the plain Triton ops.
 PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
 #: Default candidate buffer length, in multiples of k.
@@ -43,11 +44,13 @@ def _sortable_key(x):
     key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     return tl.where(x != x, tl.zeros_like(key), key)
 
+
 @triton.jit
 def _key_to_float(key):
     """Inverse of _sortable_key (key 0 -> a NaN, which no comparison passes)."""
     bits = tl.where(key >= 0x80000000, key ^ 0x80000000, key ^ 0xFFFFFFFF)
     return bits.to(tl.float32, bitcast=True)
+
 
 @triton.jit
 def _keys_at(src, idx, valid, FROM_LOGITS: tl.constexpr):
@@ -57,6 +60,7 @@ def _keys_at(src, idx, valid, FROM_LOGITS: tl.constexpr):
     else:
         key = tl.load(src + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
     return key.to(tl.int64)
+
 
 @triton.jit
 def _radix_select(src, n, need, FROM_LOGITS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
@@ -90,6 +94,7 @@ def _radix_select(src, n, need, FROM_LOGITS: tl.constexpr, BLOCK: tl.constexpr, 
     cut = tl.where(done, prefix - 1, prefix)
     return cut, tl.where(done, 0, need)
 
+
 @triton.jit
 def _collect(src, pos_src, n, cut, ties_wanted, out_row, FROM_LOGITS: tl.constexpr, BLOCK: tl.constexpr):
     """Write the positions of keys src[:n] above ``cut`` and the first ``ties_wanted`` equal to it."""
@@ -112,6 +117,7 @@ def _collect(src, pos_src, n, cut, ties_wanted, out_row, FROM_LOGITS: tl.constex
         written += tl.sum(take_i, axis=0)
         ties += tl.sum(tie, axis=0)
 
+
 @triton.jit
 def _filter(row_ptr, lo, hi, cutoff, buf_keys, buf_pos, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Copy (key, position) of every logit in [lo, hi) that is >= cutoff, in order, into the
@@ -129,6 +135,7 @@ def _filter(row_ptr, lo, hi, cutoff, buf_keys, buf_pos, CAP: tl.constexpr, BLOCK
         count += tl.sum(keep, axis=0)
     return count
 
+
 @triton.jit
 def _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS: tl.constexpr):
     """(start, n) of a row, clamped to it: ``0 <= start <= width``, ``0 <= n <= width - start``
@@ -140,11 +147,13 @@ def _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS: tl.constexpr):
     n = tl.minimum(tl.maximum(tl.load(lens_ptr + row), 0), width - start).to(tl.int32)
     return start, n
 
+
 @triton.jit
 def _row_setup(logits_ptr, lens_ptr, starts_ptr, row, row_stride, width, HAS_STARTS: tl.constexpr):
     """(n, pointer to the row's first valid column)."""
     start, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
     return n, logits_ptr + row.to(tl.int64) * row_stride + start
+
 
 @triton.jit
 def _gather_segments(seg_keys, seg_pos, counts, buf_keys, buf_pos, total,
@@ -163,6 +172,7 @@ def _gather_segments(seg_keys, seg_pos, counts, buf_keys, buf_pos, total,
         tl.store(buf_keys + j, tl.load(seg_keys + src, mask=valid), mask=valid)
         tl.store(buf_pos + j, tl.load(seg_pos + src, mask=valid), mask=valid)
 
+
 @triton.jit
 def _select_gathered(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, want, out_row,
                      STRIDE: tl.constexpr, NSEG: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
@@ -174,11 +184,13 @@ def _select_gathered(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, want, 
     cut, ties = _radix_select(buf_keys, total, want, False, BLOCK, BITS)
     _collect(buf_keys, buf_pos, total, cut, ties, out_row, False, BLOCK)
 
+
 @triton.jit
 def _select_whole_row(row_ptr, n, want, out_row, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """The top ``want`` of the row's ``n`` logits, by radix passes over the whole row."""
     cut, ties = _radix_select(row_ptr, n, want, True, BLOCK, BITS)
     _collect(row_ptr, row_ptr, n, cut, ties, out_row, True, BLOCK)
+
 
 @triton.jit
 def _fill_tail(out_row, want, K: tl.constexpr, BLOCK: tl.constexpr):
@@ -188,11 +200,13 @@ def _fill_tail(out_row, want, K: tl.constexpr, BLOCK: tl.constexpr):
         idx = c + lanes
         tl.store(out_row + idx, tl.full([BLOCK], -1, tl.int32), mask=(idx >= want) & (idx < K))
 
+
 @triton.jit
 def _bit_length(x):
     """Bits needed for the uint32 scalar x (0 for 0); may be one too many, never too few."""
     exponent = (x.to(tl.float32).to(tl.uint32, bitcast=True) >> 23).to(tl.int32)
     return tl.maximum(exponent - 126, 0)
+
 
 @triton.jit
 def _radix_narrow(keys, mask, count, need, prefix, top, slack, BITS: tl.constexpr, PASSES: tl.constexpr):
@@ -228,10 +242,12 @@ def _radix_narrow(keys, mask, count, need, prefix, top, slack, BITS: tl.constexp
             done = whole | (top == 0)
     return prefix, need, whole
 
+
 @triton.jit
 def _long_row(n, K: tl.constexpr, SAMPLES: tl.constexpr):
     """Rows that go through the sampled cut-off (the rest are selected directly)."""
     return n > tl.maximum(K, 2 * SAMPLES)
+
 
 @triton.jit
 def _float_cut(cut):
@@ -239,6 +255,7 @@ def _float_cut(cut):
     +0.0 -> -0.0 and NaN (key 0) -> -inf. Lowering a cut-off only adds candidates."""
     cut = tl.where(cut == 0x80000000, 0x7FFFFFFF, cut)
     return tl.where(cut == 0, 0x007FFFFF, cut).to(tl.uint32)
+
 
 @triton.jit
 def _topk_cutoff_kernel(
@@ -277,11 +294,13 @@ def _topk_cutoff_kernel(
         tl.store(cut_ptr + row, _float_cut(cut).to(tl.int32, bitcast=True))
         tl.store(shift_ptr + row, shift)
 
+
 @triton.jit
 def _histogram_cut(hist_row, want, BINS: tl.constexpr):
     """(bin, left, in_bin): the bin holding the want-th largest candidate, how many to take
     from it, and how many it holds."""
     return _histogram_cut_of(tl.load(hist_row + tl.arange(0, BINS)), want)
+
 
 @triton.jit
 def _histogram_cut_of(hist, want):
@@ -292,6 +311,7 @@ def _histogram_cut_of(hist, want):
     in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
     left = want - (tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_bin)
     return chosen, left, in_bin
+
 
 @triton.jit
 def _narrow_bin_and_write(dist, pos, valid, in_chosen, chosen, left, in_bin, shift, out_row,
@@ -304,6 +324,7 @@ def _narrow_bin_and_write(dist, pos, valid, in_chosen, chosen, left, in_bin, shi
     low = tl.where(last, 0, chosen << shift).to(tl.uint32)
     cut_dist, ties, whole = _radix_narrow(dist, in_chosen, in_bin, left, low, top, 0, BITS, 32 // BITS)
     _write_in_order(dist, pos, valid, cut_dist, tl.where(whole, dist.numel, ties), out_row)
+
 
 @triton.jit
 def _write_in_order(key, pos, valid, cut, ties, out_row):
@@ -319,6 +340,7 @@ def _write_in_order(key, pos, valid, cut, ties, out_row):
     take = (above != 0) | ((equal != 0) & (equal_before < ties))
     slot = (before & 0xFFFF) + tl.minimum(equal_before, ties)
     tl.store(out_row + slot, pos, mask=take)
+
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":

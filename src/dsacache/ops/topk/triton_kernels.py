@@ -43,6 +43,7 @@ from dsacache.ops.triton_utils import INTERPRET, check_launch, loop_bound
 if not INTERPRET:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+
 #: Launch settings: ``algo`` ("v3", "v2" or "v1"), BLOCK logits a step, SAMPLES for the
 #: cut-off (None: 1024 for v1, 2048 for v2 and v3). CAP (candidate buffer length, default
 #: CANDIDATES_PER_K * k, a power of two for v2 and v3) may be set to override. v1 and v2:
@@ -107,11 +108,13 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
         x = x_next
     return count
 
+
 @triton.jit
 def _sortable_key_not_nan(x):
     """_sortable_key for an x known not to be NaN."""
     bits = x.to(tl.int32, bitcast=True)
     return (bits ^ ((bits >> 31) | (-0x80000000))).to(tl.uint32, bitcast=True)
+
 
 @triton.jit
 def _emit_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP: tl.constexpr):
@@ -132,6 +135,7 @@ def _emit_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP: tl.constexpr):
         [seg.to(tl.int64, bitcast=True), hist_row.to(tl.int64, bitcast=True), slot, bin_, key, pos,
          keep.to(tl.int32), tl.full(slot.shape, SEG_CAP, tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1)
+
 
 @triton.jit
 def _topk_filter_v3_kernel(
@@ -174,12 +178,14 @@ def _topk_filter_v3_kernel(
             gdc_launch_dependents()
         tl.store(counts_ptr + row * PROGS + prog, count)
 
+
 @triton.jit
 def _exclusive_scan_2d(flags):
     """Exclusive prefix sum of an int32 [S, L] tensor in row-major order."""
     inclusive = tl.cumsum(flags, axis=1)
     totals = tl.sum(flags, axis=1)
     return (inclusive - flags) + (tl.cumsum(totals, axis=0) - totals)[:, None]
+
 
 @triton.jit
 def _cut_in_bin(dist, pos, in_chosen, in_bin, left, scratch_keys, scratch_pos, TIES: tl.constexpr):
@@ -200,6 +206,7 @@ def _cut_in_bin(dist, pos, in_chosen, in_bin, left, scratch_keys, scratch_pos, T
     rank = tl.sum(ahead.to(tl.int32), axis=0)
     pick = live & (rank == left - 1)
     return tl.max(tl.where(pick, d, 0), axis=0), tl.max(tl.where(pick, p, -1), axis=0)
+
 
 @triton.jit
 def _select_v3(keys, pos, valid, hist, cut, shift, want, out_row, scratch_keys, scratch_pos,
@@ -224,6 +231,7 @@ def _select_v3(keys, pos, valid, hist, cut, shift, want, out_row, scratch_keys, 
         tl.store(out_row + _exclusive_scan_2d(take.to(tl.int32)), pos, mask=take)
     else:
         _narrow_bin_and_write(dist, pos, valid, in_chosen, chosen, left, in_bin, shift, out_row, BINS, BITS)
+
 
 @triton.jit
 def _topk_select_v3_kernel(
@@ -291,6 +299,7 @@ def _topk_select_v3_kernel(
                        hist, cut, shift, want, out_row, buf_keys + total, buf_pos + total, BITS, TIES)
     _fill_tail(out_row, want, K, BLOCK)
 
+
 @triton.jit
 def _positions_to_slots_kernel(
     pos_ptr,          # [R, K] int32
@@ -310,6 +319,7 @@ def _positions_to_slots_kernel(
     slots = tl.where(ok, page * PAGE + pos % PAGE, -1)
     tl.store(out_ptr + row.to(tl.int64) * num_cols + cols, slots, mask=in_row)
 
+
 def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor | None, out: torch.Tensor,
                 config: dict | None = None) -> None:
     """Fill ``out [R, k]`` with the top-k positions of each row of ``logits [R, *]``
@@ -324,11 +334,13 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     window = dict(width=logits.shape[1], HAS_STARTS=starts is not None)
     launch(logits, lens, lens if starts is None else starts, out, cfg, _num_sms(logits.device), window)
 
+
 def topk_progs_v3(rows: int, num_sms: int, cap: int) -> int:
     """One-warp filter programs a long row gets in v3: about 32 an SM in all (64 rows on 132
     SMs: 64; 256 rows: 16), a power of two, with at least 128 candidate slots each."""
     per_row = max(1, 32 * num_sms // max(rows, 1))
     return max(1, min(1 << (per_row.bit_length() - 1), cap // 128, 256))
+
 
 def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
     rows, k = logits.shape[0], out.shape[1]
@@ -365,6 +377,7 @@ def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
     _topk_select_v3_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
                                     buf_keys, buf_pos, stride, **window, BLOCK=cfg["BLOCK"], CAP=cap, BITS=RADIX_BITS,
                                     TIES=cfg["TIES"], num_warps=select_warps, **pdl, **common)
+
 
 def launch_positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
                               next_n: int, num_pages: int, page_size: int) -> None:

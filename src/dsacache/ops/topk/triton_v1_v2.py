@@ -57,6 +57,7 @@ def _sample_cutoff(row_ptr, n, K: tl.constexpr, SAMPLES: tl.constexpr):
     rank = tl.minimum(rank, SAMPLES) - 1
     return _key_to_float(tl.max(tl.where(lanes == rank, ranked, 0), axis=0))
 
+
 @triton.jit
 def _topk_filter_kernel(
     logits_ptr,       # [R, row_stride] fp32
@@ -81,6 +82,7 @@ def _topk_filter_kernel(
         count = _filter(row_ptr, lo, tl.minimum(lo + chunk, n), cutoff,
                         seg_keys_ptr + seg, seg_pos_ptr + seg, CAP, BLOCK)
         tl.store(counts_ptr + row * SPLITS + split, count)
+
 
 @triton.jit
 def _topk_select_kernel(
@@ -119,6 +121,7 @@ def _topk_select_kernel(
             _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
     _fill_tail(out_row, want, K, BLOCK)
 
+
 @triton.jit
 def _filter_v2(row_ptr, start, lo, hi, cut, shift, hist_row, seg_keys, seg_pos,
                CAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
@@ -141,6 +144,7 @@ def _filter_v2(row_ptr, start, lo, hi, cut, shift, hist_row, seg_keys, seg_pos,
         tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
         count += tl.sum(keep_i, axis=0)
     return count
+
 
 @triton.jit
 def _filter_streams(row_ptr, start, lo, hi, cut, shift, hist_row, seg_keys, seg_pos,
@@ -169,6 +173,7 @@ def _filter_streams(row_ptr, start, lo, hi, cut, shift, hist_row, seg_keys, seg_
         tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
         count += tl.sum(keep_i, axis=1)
     return count
+
 
 @triton.jit
 def _topk_filter_v2_kernel(
@@ -209,6 +214,7 @@ def _topk_filter_v2_kernel(
                                seg_keys_ptr + seg, seg_pos_ptr + seg, CAP, BLOCK, BINS)
             tl.store(counts_ptr + row * SPLITS + split, count)
 
+
 @triton.jit
 def _select_in_registers(seg_keys, seg_pos, counts, hist_row, cut, shift, want, out_row,
                          CAP: tl.constexpr, SPLITS: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr,
@@ -225,6 +231,7 @@ def _select_in_registers(seg_keys, seg_pos, counts, hist_row, cut, shift, want, 
     pos = tl.load(seg_pos + src, mask=valid, other=-1)
     in_chosen = valid & (tl.minimum(dist >> shift, BINS - 1) == chosen)
     _narrow_bin_and_write(dist, pos, valid, in_chosen, chosen, left, in_bin, shift, out_row, BINS, BITS)
+
 
 @triton.jit
 def _topk_select_v2_kernel(
@@ -274,16 +281,19 @@ def _topk_select_v2_kernel(
             _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
     _fill_tail(out_row, want, K, BLOCK)
 
+
 def topk_splits(rows: int, num_sms: int) -> int:
     """Programs a long row's v1 candidate search is split over: about half the SMs' worth of
     programs in all (measured best on an H200 at 64 rows: 2; at 256 rows: 1)."""
     return max(1, min(8, triton.next_power_of_2(triton.cdiv(num_sms, 2 * max(rows, 1)))))
+
 
 def topk_splits_v2(rows: int, num_sms: int) -> int:
     """Programs a long row's v2 candidate search is split over: about 4 programs an SM in
     all (64 rows on 132 SMs: 8; 256 rows: 2), a power of two up to 16."""
     per_row = max(1, 4 * num_sms // max(rows, 1))
     return min(16, 1 << (per_row.bit_length() - 1))
+
 
 def _launch_v1(logits, lens, starts, out, cfg, num_sms, window):
     rows, k = logits.shape[0], out.shape[1]
@@ -300,6 +310,7 @@ def _launch_v1(logits, lens, starts, out, cfg, num_sms, window):
                                         **window, **common)
     _topk_select_kernel[(rows,)](logits, lens, starts, out, seg_keys, seg_pos, counts, buf_keys, buf_pos,
                                  logits.stride(0), BITS=RADIX_BITS, **window, **common)
+
 
 def _launch_v2(logits, lens, starts, out, cfg, num_sms, window):
     rows, k = logits.shape[0], out.shape[1]
