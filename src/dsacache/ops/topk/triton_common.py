@@ -186,6 +186,16 @@ def _select_gathered(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, want, 
 
 
 @triton.jit
+def _select_short_row(row_ptr, n, want, out_row, K: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """A row that skips the cut-off (``not _long_row``): all of it when ``n <= K``, else the
+    whole-row radix select."""
+    if n <= K:
+        _collect(row_ptr, row_ptr, n, tl.full([], -1, tl.int64), 0, out_row, True, BLOCK)
+    else:
+        _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
+
+
+@triton.jit
 def _select_whole_row(row_ptr, n, want, out_row, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """The top ``want`` of the row's ``n`` logits, by radix passes over the whole row."""
     cut, ties = _radix_select(row_ptr, n, want, True, BLOCK, BITS)

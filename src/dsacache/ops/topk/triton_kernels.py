@@ -34,8 +34,9 @@ import triton
 import triton.language as tl
 
 from dsacache.ops.topk.triton_common import (
-    CANDIDATES_PER_K, PTX_AVAILABLE, RADIX_BITS, _collect, _filter, _fill_tail, _histogram_cut_of, _key_to_float,
-    _long_row, _narrow_bin_and_write, _num_sms, _row_setup, _row_window, _select_whole_row, _topk_cutoff_kernel,
+    CANDIDATES_PER_K, PTX_AVAILABLE, RADIX_BITS, _filter, _fill_tail, _histogram_cut_of, _key_to_float, _long_row,
+    _narrow_bin_and_write, _num_sms, _row_setup, _row_window, _select_short_row, _select_whole_row,
+    _topk_cutoff_kernel,
 )
 from dsacache.ops.topk.triton_v1_v2 import _launch_v1, _launch_v2
 from dsacache.ops.triton_utils import INTERPRET, check_launch, loop_bound
@@ -276,10 +277,8 @@ def _topk_select_v3_kernel(
     out_row = out_ptr + row.to(tl.int64) * K
     want = tl.minimum(n, K)
 
-    if n <= K:
-        _collect(row_ptr, row_ptr, n, tl.full([], -1, tl.int64), 0, out_row, True, BLOCK)
-    elif not _long_row(n, K, SAMPLES):
-        _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
+    if not _long_row(n, K, SAMPLES):
+        _select_short_row(row_ptr, n, want, out_row, K, BLOCK, BITS)
     else:
         total = tl.sum(counts, axis=0)
         buf_keys = buf_keys_ptr + row.to(tl.int64) * (CAP + TIES)

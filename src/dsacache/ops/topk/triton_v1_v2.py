@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from dsacache.ops.topk.triton_common import (
-    CANDIDATES_PER_K, RADIX_BITS, _collect, _filter, _fill_tail, _histogram_cut, _key_to_float, _long_row,
-    _narrow_bin_and_write, _row_setup, _row_window, _select_gathered, _select_whole_row, _sortable_key,
-    _topk_cutoff_kernel,
+    CANDIDATES_PER_K, RADIX_BITS, _filter, _fill_tail, _histogram_cut, _key_to_float, _long_row,
+    _narrow_bin_and_write, _row_setup, _row_window, _select_gathered, _select_short_row, _select_whole_row,
+    _sortable_key, _topk_cutoff_kernel,
 )
 from dsacache.ops.triton_utils import check_launch, loop_bound
 
@@ -106,10 +106,8 @@ def _topk_select_kernel(
     out_row = out_ptr + row.to(tl.int64) * K
     want = tl.minimum(n, K)
 
-    if n <= K:
-        _collect(row_ptr, row_ptr, n, tl.full([], -1, tl.int64), 0, out_row, True, BLOCK)
-    elif n <= 2 * SAMPLES:
-        _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
+    if not _long_row(n, K, SAMPLES):
+        _select_short_row(row_ptr, n, want, out_row, K, BLOCK, BITS)
     else:
         counts = tl.load(counts_ptr + row * SPLITS + tl.arange(0, SPLITS))
         total = tl.sum(counts, axis=0)
@@ -262,10 +260,8 @@ def _topk_select_v2_kernel(
     out_row = out_ptr + row.to(tl.int64) * K
     want = tl.minimum(n, K)
 
-    if n <= K:
-        _collect(row_ptr, row_ptr, n, tl.full([], -1, tl.int64), 0, out_row, True, BLOCK)
-    elif not _long_row(n, K, SAMPLES):
-        _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)
+    if not _long_row(n, K, SAMPLES):
+        _select_short_row(row_ptr, n, want, out_row, K, BLOCK, BITS)
     else:
         counts = tl.load(counts_ptr + row * NSEG + tl.arange(0, NSEG))
         total = tl.sum(counts, axis=0)
