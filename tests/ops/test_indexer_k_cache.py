@@ -339,15 +339,16 @@ def test_mxfp4_store_variants_bit_identical(device, variant, dtype, scales):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("variant", [0, 1, 2])
 def test_fused_mxfp4_variants_hand_picked(device, variant):
     """Hand-picked fp32 LayerNorm outputs (through the bias, k = 0 and weight = -1) reach each
-    fused encoder unchanged and come out as the reference codec's bytes."""
+    fused encoder unchanged and come out as the reference codec's bytes (variant 2 takes bf16
+    keys; biases with inf or above 2**100 take its guarded loop, the others the lean one)."""
     from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
 
     rows = e2m1_hard_groups(torch.float32, (0, -10, 100, -120))
     weight = -torch.ones(128, device=device)
-    zeros = torch.zeros(3, 128, device=device)
+    zeros = torch.zeros(3, 128, device=device, dtype=torch.bfloat16 if variant == 2 else torch.float32)
     slots = torch.tensor([0, 70, 5], device=device)
     for bias in rows:
         pool = PackedPool("mxfp4", 128, 2, device)
@@ -368,11 +369,33 @@ def test_fused_mxfp4_variants_agree(device):
     weight, bias = torch.randn(128, device=device), torch.randn(128, device=device) * 0.1
     slots = torch.randperm(k.shape[0] + 8)[: k.shape[0]].to(device)
     raws = []
-    for variant in (0, 1):
+    for variant in (0, 1, 2):
         pool = PackedPool("mxfp4", 128, k.shape[0] // PAGE + 2, device)
         launch_store(k, pool.pages, slots, "mxfp4", weight, bias, 1e-6, mxfp4_variant=variant)
         raws.append(pool.raw)
-    assert torch.equal(raws[0], raws[1])
+    assert torch.equal(raws[0], raws[1]) and torch.equal(raws[1], raws[2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("bias_scale", [0.1, 2.0 ** 120])
+def test_fused_mxfp4_loop_several_tiles_a_program(device, prefetch, bias_scale):
+    """The tile loop (variant 2) with several tiles a program and a partial last tile, with and
+    without prefetch, on its lean path (small bias) and its guarded one (a bias above 2**100):
+    the bytes of variant 1, skipped slots untouched."""
+    from dsacache.ops.indexer_k_cache.triton_kernels import launch_norm_mxfp4_loop, launch_store
+    from dsacache.ops.triton_utils import sm_count
+
+    num_tokens = 16 * (sm_count(torch.device(device)) or 4) * 3 + 5
+    k = random_keys(num_tokens, 128, torch.bfloat16, device)
+    weight, bias = torch.randn(128, device=device), torch.randn(128, device=device) * bias_scale
+    num_pages = num_tokens // PAGE + 2
+    slots = random_slots(num_tokens, num_pages, device, num_skipped=num_tokens // 8)
+    want, got = PackedPool("mxfp4", 128, num_pages, device), PackedPool("mxfp4", 128, num_pages, device)
+    launch_store(k, want.pages, slots, "mxfp4", weight, bias, 1e-6, mxfp4_variant=1)
+    launch_norm_mxfp4_loop(k, got.pages, slots, weight, bias, 1e-6, hints=1, programs_per_sm=1, prefetch=prefetch)
+    assert torch.equal(got.raw, want.raw)
+    got.assert_only_slots_written(slots)
 
 
 # ---- byte layout and round trip -------------------------------------------------------

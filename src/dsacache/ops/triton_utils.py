@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -22,6 +24,15 @@ def loop_bound(n):
     if INTERPRET:
         n.handle.data = n.handle.data.reshape(())
     return n
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (None elsewhere: the interpreter runs programs
+    one after another), for launchers that size persistent grids."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_launch(condition: bool, what: str) -> None:

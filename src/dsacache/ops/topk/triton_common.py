@@ -350,9 +350,3 @@ def _write_in_order(key, pos, valid, cut, ties, out_row):
     take = (above != 0) | ((equal != 0) & (equal_before < ties))
     slot = (before & 0xFFFF) + tl.minimum(equal_before, ties)
     tl.store(out_row + slot, pos, mask=take)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one after another
-    return torch.cuda.get_device_properties(device).multi_processor_count
