@@ -121,13 +121,15 @@ def branch_rows(k, width, samples):
 
 @pytest.mark.parametrize("algo,extra", [("v1", {}), ("v2", {"STREAMS": 1}), ("v2", {"STREAMS": 4}),
                                         ("v2", {"STREAMS": 8}), ("v3", {"V": 1, "TIES": 8}),
-                                        ("v3", {"V": 2, "TIES": 32})])
+                                        ("v3", {"V": 2, "TIES": 32}), ("v3", {"V": 2, "LOAD": 8}),
+                                        ("v3", {"V": 4, "LOAD": 128})])
 def test_every_kernel_branch_with_small_buffers(algo, extra):
     """Short rows (n < k, n == k, k - 1), the direct radix, the sampled cut-off, both
     fallbacks (too many candidates: ties; too few: the largest values sit exactly on the
     sampled positions), the skewed row (v2: gather of one or several streams a split; v3:
     the row filtered again, densely), the chosen bin ranked pairwise or by radix passes
-    (v3, TIES 8 and 32), NaN and all -inf rows."""
+    (v3, TIES 8 and 32), v3's select loading a few slots a segment first (LOAD 8: most rows then
+    reload whole segments) or all of them, NaN and all -inf rows."""
     pytest.importorskip("triton")
     k, samples = 40, 32
     logits, lens = branch_rows(k, 600, samples)

@@ -11,10 +11,13 @@ three launches:
    slice with the next tile's loads in flight, tests ``x >= float(cut)`` (the cut-off is
    never +0.0 or NaN, see ``_float_cut``), places candidates with a warp-local prefix sum
    and writes (key, position) pairs and histogram counts with predicated PTX stores, so
-   nothing goes through shared memory and no barrier stalls the loop.
-3. ``_topk_select_v3_kernel``, one program a row: all its loads are issued up front; the
-   histogram names the chosen bin, whose few candidates (at most TIES) are ranked pairwise
-   on (key, position), else by radix passes; one prefix sum writes the output. A skewed row
+   nothing goes through shared memory and no barrier stalls the loop. On aligned rows a tile
+   step is one PTX block that does the per-candidate work only where a lane keeps one.
+3. ``_topk_select_v3_kernel``, one program a row: all its loads are issued up front (the
+   first LOAD slots of each segment, where the candidates sit, whole segments only when one
+   holds more); the histogram names the chosen bin, whose few candidates (at most TIES) are
+   ranked pairwise on (key, position), else by radix passes; one prefix sum writes the
+   output. A skewed row
    (a program over its CAP / PROGS share, e.g. logits growing with the position) is filtered
    again inside the select into a dense buffer and selected the same way. A missed cut-off
    (fewer than k candidates, or more than CAP) takes the whole-row radix select, short rows
@@ -35,11 +38,11 @@ import triton.language as tl
 
 from dsacache.ops.topk.triton_common import (
     CANDIDATES_PER_K, PTX_AVAILABLE, RADIX_BITS, _filter, _fill_tail, _histogram_cut_of, _key_to_float, _long_row,
-    _narrow_bin_and_write, _num_sms, _row_setup, _row_window, _select_short_row, _select_whole_row,
+    _narrow_bin_and_write, _row_setup, _row_window, _select_short_row, _select_whole_row,
     _topk_cutoff_kernel,
 )
 from dsacache.ops.topk.triton_v1_v2 import _launch_v1, _launch_v2
-from dsacache.ops.triton_utils import INTERPRET, check_launch, loop_bound
+from dsacache.ops.triton_utils import INTERPRET, check_launch, loop_bound, sm_count
 
 if not INTERPRET:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -58,13 +61,95 @@ if not INTERPRET:
 #: pdl (programmatic dependent launch of the filter and select kernels, CUDA only).
 TOPK_CONFIG = {"algo": "v3", "BLOCK": 2048, "SAMPLES": None, "num_warps": 8, "CAP": None, "SPLITS": None,
                "BINS": 2048, "SAMPLE_RUN": 8, "select_warps": None, "STREAMS": 8, "PROGS": None, "V": 8,
-               "TIES": 32, "asm": True, "SAMPLE_BITS": 4, "pdl": True}
+               "TIES": 32, "asm": True, "SAMPLE_BITS": 4, "pdl": True, "tile_asm": True, "LOAD": None}
+
+
+def _filter_tile_ptx(v: int) -> str:
+    """PTX for one warp's tile step of the v3 filter (``_filter_tile_asm``), ``v`` logits a lane.
+
+    The tile is laid out as the 4-wide loads leave it: a lane holds ``v / 4`` runs of 4 adjacent
+    logits, run ``r`` of lane ``l`` at tile columns ``128 r + 4 l .. + 3``. Position order is run,
+    then lane, then column, so each lane counts its kept logits per run in one 8-bit field of a
+    packed word, and one warp scan of that word gives every run's lane offsets at once. The
+    per-candidate work (key, histogram bin, stores) runs only for the columns where some lane of
+    the warp keeps one (``vote.any`` + uniform branch): candidates are ~2 % of the logits.
+    Operands (``pack=v``, each input passed as v registers, only the first read for the scalar
+    ones): out count; x bits, positions, count, cut-off float bits, span, cut-off key, shift,
+    segment and histogram pointers, segment capacity, last bin.
+    """
+    runs = v // 4
+    out = lambda i: f"${i}"                      # noqa: E731
+    arg = lambda k, i=0: f"${v + k * v + i}"     # noqa: E731
+    x, pos, count, cutf, span, cut, shift, seg, hist, cap, last = range(11)
+    offset = lambda i: 128 * (i // 4) + i % 4    # noqa: E731  (column of value i from the lane's first)
+    lines = ["{", f".reg .pred q, y, {', '.join(f'k{i}' for i in range(v))};",
+             ".reg .b32 c, s, t, ex, tot, acc, key, bin, p;", f".reg .b32 {', '.join(f'b{r}' for r in range(runs))};",
+             ".reg .b64 a;"]
+    # kept: >= the cut-off and, in a tile that is not wholly inside the row's window, inside it
+    # (positions are read from the lane's first value only: ptxas drops the rest)
+    lines += [f"setp.ge.s32 y, {arg(pos)}, 0;", f"add.s32 p, {arg(pos)}, {offset(v - 1)};",
+              f"setp.lt.and.s32 y, p, {arg(span)}, y;", "vote.sync.all.pred y, y, -1;", "@!y bra.uni EDGE_${:uid};"]
+    lines += [f"setp.ge.f32 k{i}, {arg(x, i)}, {arg(cutf)};" for i in range(v)]
+    lines += ["bra.uni KEPT_${:uid};", "EDGE_${:uid}:"]
+    for i in range(v):
+        lines += [f"add.s32 p, {arg(pos)}, {offset(i)};", f"setp.lt.u32 q, p, {arg(span)};",
+                  f"setp.ge.and.f32 k{i}, {arg(x, i)}, {arg(cutf)}, q;"]
+    lines += ["KEPT_${:uid}:", "mov.b32 c, 0;"]
+    lines += [f"@k{i} add.u32 c, c, {1 << (8 * (i // 4))};" for i in range(v)]
+    lines.append("mov.b32 s, c;")
+    for d in (1, 2, 4, 8, 16):
+        lines += [f"shfl.sync.up.b32 t|y, s, {d}, 0, -1;", "@y add.u32 s, s, t;"]
+    lines += ["shfl.sync.idx.b32 tot, s, 31, 31, -1;", "sub.u32 ex, s, c;", f"mov.b32 acc, {arg(count)};"]
+    for r in range(runs):  # run r starts after the whole warp's earlier runs and this run's earlier lanes
+        lines += [f"bfe.u32 t, ex, {8 * r}, 8;", f"add.u32 b{r}, acc, t;",
+                  f"bfe.u32 t, tot, {8 * r}, 8;", "add.u32 acc, acc, t;"]
+    lines += ["setp.eq.u32 y, tot, 0;", "@y bra.uni DONE_${:uid};"]
+    for i in range(v):
+        b = f"b{i // 4}"
+        lines += [f"vote.sync.any.pred y, k{i}, -1;", f"@!y bra.uni SKIP{i}_${{:uid}};",
+                  f"shr.s32 t, {arg(x, i)}, 31;", "or.b32 t, t, 0x80000000;", f"xor.b32 key, {arg(x, i)}, t;",
+                  f"sub.u32 bin, key, {arg(cut)};", f"shr.u32 bin, bin, {arg(shift)};",
+                  f"min.u32 bin, bin, {arg(last)};", f"add.s32 p, {arg(pos)}, {offset(i)};",
+                  f"setp.lt.and.s32 q, {b}, {arg(cap)}, k{i};",
+                  f"mad.wide.s32 a, {b}, 8, {arg(seg)};", "@q st.global.v2.b32 [a], {key, p};",
+                  f"mad.wide.u32 a, bin, 4, {arg(hist)};", f"@k{i} red.global.add.u32 [a], 1;",
+                  f"@k{i} add.u32 {b}, {b}, 1;", f"SKIP{i}_${{:uid}}:"]
+    lines.append("DONE_${:uid}:")
+    lines += [f"mov.b32 {out(i)}, acc;" for i in range(v)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+#: The tile-step PTX for each supported logits-a-lane count (one run of 4 to four runs).
+_FILTER_TILE_PTX_4 = tl.constexpr(_filter_tile_ptx(4))
+_FILTER_TILE_PTX_8 = tl.constexpr(_filter_tile_ptx(8))
+_FILTER_TILE_PTX_16 = tl.constexpr(_filter_tile_ptx(16))
+_FILTER_TILE_REGS_4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28 + ["l"] * 8 + ["r"] * 8))
+_FILTER_TILE_REGS_8 = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 56 + ["l"] * 16 + ["r"] * 16))
+_FILTER_TILE_REGS_16 = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 112 + ["l"] * 32 + ["r"] * 32))
+
+
+@triton.jit
+def _filter_tile_asm(asm: tl.constexpr, regs: tl.constexpr, x, pos, count, cut_f, span, cut, shift, seg, hist_row,
+                     SEG_CAP: tl.constexpr, BINS: tl.constexpr, V: tl.constexpr):
+    """One tile step of the filter as PTX (``_filter_tile_ptx``); ``count`` is the running
+    candidate count broadcast over the tile, returned updated."""
+    shape: tl.constexpr = x.shape
+    return tl.inline_asm_elementwise(
+        asm, regs,
+        [x.to(tl.int32, bitcast=True), pos, count, tl.full(shape, cut_f, tl.float32).to(tl.int32, bitcast=True),
+         tl.full(shape, span, tl.uint32).to(tl.int32, bitcast=True),
+         tl.full(shape, cut, tl.uint32).to(tl.int32, bitcast=True), tl.full(shape, shift, tl.int32),
+         tl.full(shape, seg.to(tl.int64, bitcast=True), tl.int64),
+         tl.full(shape, hist_row.to(tl.int64, bitcast=True), tl.int64), tl.full(shape, SEG_CAP, tl.int32),
+         tl.full(shape, BINS - 1, tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=V)
 
 
 @triton.jit
 def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, seg,
                  SEG_CAP: tl.constexpr, BINS: tl.constexpr, V: tl.constexpr, USE_ASM: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, TILE_ASM: tl.constexpr = False):
     """One warp's candidates of columns [lo, hi) (``hi_load >= hi`` bounds the loads, a multiple
     of 4 when ``lo`` is, so they vectorize): (key, position - start) pairs of each key >= cut,
     in order, into the segment ``seg`` (at most SEG_CAP pairs), each counted into the row's
@@ -75,11 +160,15 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
     is ``key(x) >= cut``: the test runs on the float, the key is built only to be stored.
     With PDL (programmatic dependent launch) the first tile is loaded before waiting for the
     cut-off kernel, whose cut-off, shift and zeroed histogram are used after the wait.
+    TILE_ASM runs each tile step
+    as one block of PTX (``_filter_tile_ptx``: the per-candidate work only where some lane
+    keeps a candidate) instead of per-logit predicated stores (needs 16-byte aligned tiles).
     Returns the count (may exceed SEG_CAP)."""
     TILE: tl.constexpr = 32 * V
     lanes = tl.arange(0, TILE)
     span = (hi - start).to(tl.uint32)
     count = tl.zeros([], tl.int32)
+    counts = tl.zeros([TILE], tl.int32)  # TILE_ASM: the running count, the same in every lane
     col = lo + lanes
     x = tl.load(row_ptr + col, mask=col < hi_load, other=0.0)
     if PDL:
@@ -91,22 +180,35 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
         nxt = col + TILE
         x_next = tl.load(row_ptr + nxt, mask=nxt < hi_load, other=0.0)
         pos = col - start
-        keep = (x >= cut_f) & (pos.to(tl.uint32) < span)
-        keep_i = keep.to(tl.int32)
-        slot = count + tl.cumsum(keep_i, axis=0) - keep_i
-        key = _sortable_key_not_nan(x)
-        bin_ = tl.minimum((key - cut) >> shift, BINS - 1).to(tl.int32)
-        key = key.to(tl.int32, bitcast=True)
-        if USE_ASM:
-            _emit_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP)
+        if TILE_ASM:
+            if V == 4:
+                counts = _filter_tile_asm(_FILTER_TILE_PTX_4, _FILTER_TILE_REGS_4, x, pos, counts, cut_f, span, cut, shift, seg,
+                                          hist_row, SEG_CAP, BINS, V)
+            elif V == 8:
+                counts = _filter_tile_asm(_FILTER_TILE_PTX_8, _FILTER_TILE_REGS_8, x, pos, counts, cut_f, span, cut, shift, seg,
+                                          hist_row, SEG_CAP, BINS, V)
+            else:
+                counts = _filter_tile_asm(_FILTER_TILE_PTX_16, _FILTER_TILE_REGS_16, x, pos, counts, cut_f, span, cut, shift, seg,
+                                          hist_row, SEG_CAP, BINS, V)
         else:
-            room = keep & (slot < SEG_CAP)
-            tl.store(seg + 2 * slot, key, mask=room)
-            tl.store(seg + 2 * slot + 1, pos, mask=room)
-            tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
-        count += tl.sum(keep_i, axis=0)
+            keep = (x >= cut_f) & (pos.to(tl.uint32) < span)
+            keep_i = keep.to(tl.int32)
+            slot = count + tl.cumsum(keep_i, axis=0) - keep_i
+            key = _sortable_key_not_nan(x)
+            bin_ = tl.minimum((key - cut) >> shift, BINS - 1).to(tl.int32)
+            key = key.to(tl.int32, bitcast=True)
+            if USE_ASM:
+                _emit_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP)
+            else:
+                room = keep & (slot < SEG_CAP)
+                tl.store(seg + 2 * slot, key, mask=room)
+                tl.store(seg + 2 * slot + 1, pos, mask=room)
+                tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
+            count += tl.sum(keep_i, axis=0)
         col = nxt
         x = x_next
+    if TILE_ASM:
+        count = tl.max(counts, axis=0)
     return count
 
 
@@ -152,6 +254,7 @@ def _topk_filter_v3_kernel(
     K: tl.constexpr, SAMPLES: tl.constexpr, PROGS: tl.constexpr, SEG_CAP: tl.constexpr, BINS: tl.constexpr,
     V: tl.constexpr, ALIGNED: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
     HAS_STARTS: tl.constexpr,  # False: every row starts at column 0 (starts_ptr unused)
+    TILE_ASM: tl.constexpr = False,  # see _filter_warp; needs ALIGNED
 ):
     """v3 step 2, PROGS one-warp programs a long row: candidates at or above the row's
     cut-off. One warp a program keeps every scan inside the warp (no barrier in the loop)
@@ -172,9 +275,13 @@ def _topk_filter_v3_kernel(
         else:
             hi_load = hi
         seg = seg_ptr + (row.to(tl.int64) * PROGS + prog) * (2 * SEG_CAP)
-        count = _filter_warp(logits_ptr + row.to(tl.int64) * row_stride, start, lo, hi, hi_load, cut_ptr + row,
-                             shift_ptr + row, hist_ptr + row.to(tl.int64) * BINS, seg, SEG_CAP, BINS, V, USE_ASM,
-                             PDL)
+        if ALIGNED:  # a stride written as a multiple of 4: the compiler then knows rows are 16-byte aligned
+            row_ptr = logits_ptr + row.to(tl.int64) * (row_stride // 4 * 4)
+        else:
+            row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+        count = _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr + row, shift_ptr + row,
+                             hist_ptr + row.to(tl.int64) * BINS, seg, SEG_CAP, BINS, V, USE_ASM, PDL,
+                             TILE_ASM and ALIGNED)
         if PDL:
             gdc_launch_dependents()
         tl.store(counts_ptr + row * PROGS + prog, count)
@@ -251,6 +358,7 @@ def _topk_select_v3_kernel(
     K: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLES: tl.constexpr, PROGS: tl.constexpr,
     BINS: tl.constexpr, BITS: tl.constexpr, TIES: tl.constexpr, PDL: tl.constexpr,
     HAS_STARTS: tl.constexpr,  # False: every row starts at column 0 (starts_ptr unused)
+    LOAD: tl.constexpr = 0,  # candidate slots of a segment loaded first (<= CAP // PROGS; launchers set it)
 ):
     """v3 step 3, one program a row: exact selection from the candidates in registers.
 
@@ -269,8 +377,11 @@ def _topk_select_v3_kernel(
     cut = tl.load(cut_ptr + row).to(tl.uint32, bitcast=True)
     shift = tl.load(shift_ptr + row)
     hist = tl.load(hist_ptr + row.to(tl.int64) * BINS + tl.arange(0, BINS))
-    lane = tl.arange(0, SEG)[None, :]
-    pair = tl.load(seg_ptr + (row.to(tl.int64) * CAP + tl.arange(0, PROGS)[:, None] * SEG + lane))
+    # Only the first LOAD slots of each segment (most hold ~1/3 of SEG, the rest is empty):
+    # half the candidate work when no segment is fuller; the whole segments otherwise.
+    lane = tl.arange(0, LOAD)[None, :]
+    seg_row = seg_ptr + row.to(tl.int64) * CAP + tl.arange(0, PROGS)[:, None] * SEG
+    pair = tl.load(seg_row + lane)
     keys = pair.to(tl.int32)  # the low word (the filter stores key, pos in that order)
     pos = (pair >> 32).to(tl.int32)
     n, row_ptr = _row_setup(logits_ptr, lens_ptr, starts_ptr, row, row_stride, width, HAS_STARTS)
@@ -285,9 +396,14 @@ def _topk_select_v3_kernel(
         buf_pos = buf_pos_ptr + row.to(tl.int64) * (CAP + TIES)
         if (total < want) | (total > CAP):
             _select_whole_row(row_ptr, n, want, out_row, BLOCK, BITS)  # the cut-off missed
-        elif tl.max(counts, axis=0) <= SEG:
+        elif tl.max(counts, axis=0) <= LOAD:
             _select_v3(keys, pos, lane < counts[:, None], hist, cut, shift, want, out_row, buf_keys, buf_pos,
                        BITS, TIES)
+        elif (LOAD < SEG) & (tl.max(counts, axis=0) <= SEG):
+            full = tl.arange(0, SEG)[None, :]
+            whole = tl.load(seg_row + full)
+            _select_v3(whole.to(tl.int32), (whole >> 32).to(tl.int32), full < counts[:, None], hist, cut, shift,
+                       want, out_row, buf_keys, buf_pos, BITS, TIES)
         else:
             _filter(row_ptr, 0, n, _key_to_float(cut), buf_keys, buf_pos, CAP, BLOCK)
             tl.debug_barrier()  # the buffer was written by other threads of this program
@@ -331,7 +447,7 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     check_launch(cfg["algo"] in ("v1", "v2", "v3"), f"algo {cfg['algo']!r} is v1, v2 or v3")
     launch = {"v1": _launch_v1, "v2": _launch_v2, "v3": _launch_v3}[cfg["algo"]]
     window = dict(width=logits.shape[1], HAS_STARTS=starts is not None)
-    launch(logits, lens, lens if starts is None else starts, out, cfg, _num_sms(logits.device), window)
+    launch(logits, lens, lens if starts is None else starts, out, cfg, sm_count(logits.device) or 1, window)
 
 
 def topk_progs_v3(rows: int, num_sms: int, cap: int) -> int:
@@ -339,6 +455,17 @@ def topk_progs_v3(rows: int, num_sms: int, cap: int) -> int:
     SMs: 64; 256 rows: 16), a power of two, with at least 128 candidate slots each."""
     per_row = max(1, 32 * num_sms // max(rows, 1))
     return max(1, min(1 << (per_row.bit_length() - 1), cap // 128, 256))
+
+
+def select_load_v3(k: int, samples: int, width: int, seg: int, progs: int) -> int:
+    """Candidate slots of each filter segment the v3 select loads first: a power of two at or
+    above the expected candidates a segment plus four standard deviations (full-width rows,
+    the most candidates), at most ``seg``. The cut-off keeps about ``target / samples`` of a row
+    (``_topk_cutoff_kernel``), so a segment of ``width / progs`` columns holds about that share."""
+    expected = -(-k * samples // width)
+    target = min(expected + 4 * int(expected**0.5) + 8, samples)
+    mean = target * width / samples / progs
+    return min(seg, triton.next_power_of_2(int(mean + 4 * mean**0.5) + 1))
 
 
 def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
@@ -372,10 +499,13 @@ def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
     select_warps = cfg["select_warps"] or (8 if rows <= num_sms else 16)
     _topk_filter_v3_kernel[(progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, stride, **window,
                                           SEG_CAP=cap // progs, V=vec, ALIGNED=aligned,
-                                          USE_ASM=cfg["asm"] and PTX_AVAILABLE, num_warps=1, **pdl, **common)
+                                          USE_ASM=cfg["asm"] and PTX_AVAILABLE, num_warps=1,
+                                          TILE_ASM=cfg["tile_asm"] and cfg["asm"] and PTX_AVAILABLE and vec in (4, 8, 16),
+                                          **pdl, **common)
     _topk_select_v3_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
                                     buf_keys, buf_pos, stride, **window, BLOCK=cfg["BLOCK"], CAP=cap, BITS=RADIX_BITS,
-                                    TIES=cfg["TIES"], num_warps=select_warps, **pdl, **common)
+                                    TIES=cfg["TIES"], LOAD=cfg["LOAD"] or select_load_v3(k, samples, logits.shape[1], cap // progs, progs), num_warps=select_warps,
+                                    **pdl, **common)
 
 
 def launch_positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
