@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time a few launch settings per shape")
     parser.add_argument("--algo", nargs="+", default=[], choices=["v1", "v2", "v3"],
-                        help="also time these top-k algorithms (the default is v2)")
+                        help="also time these top-k algorithms (the default is v3)")
     parser.add_argument("--dist", nargs="+", default=["randn"], choices=list(DISTRIBUTIONS),
                         help="logits rows to time (each checked first): " + "; ".join(
                             f"{name}: {what}" for name, what in DISTRIBUTIONS.items()))

@@ -56,8 +56,12 @@ DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 8, "num_warps": 4, "num_stages": 2, "ma
                  "maxnreg_cols": 64, "split_rows": {2: 64}, "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own; the table decode keeps its keys
 #: in registers only while the tile is 16 * num_warps tokens). The register cap helps at H = 32
-#: (256 -> 248 us) and hurts at H = 64 (319 -> 348 us).
-MXFP4_DECODE_CONFIG: dict = {"TILES": 16, "maxnreg_cols": 32, "maxnreg_rows": None}
+#: (256 -> 248 us) and hurts at H = 64 (319 -> 348 us). ``kernel``: "gluon" runs
+#: ``gluon_kernels.paged_decode_mxfp4_kernel`` where it applies (``_gluon_decode``), "triton" this
+#: module's kernel; ``gluon_maxnreg`` caps its registers (H200, 128K: 64 or 80 were no faster at
+#: H = 32, slower at H = 64; TILES 8 or 32 also slower).
+MXFP4_DECODE_CONFIG: dict = {"TILES": 16, "maxnreg_cols": 32, "maxnreg_rows": None, "kernel": "gluon",
+                             "gluon_maxnreg": None}
 #: Launch settings for the ragged prefill kernel (ROWS query rows a program).
 PREFILL_CONFIG = {"BLOCK_N": 64, "TILES": 8, "ROWS": 4, "num_warps": 4, "num_stages": 3,
                   "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
@@ -495,6 +499,16 @@ def _split_rows(cfg: dict, next_n: int, num_heads: int) -> bool:
     return least is not None and 2 <= next_n <= 4 and num_heads >= least
 
 
+def _gluon_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether an MXFP4 launch runs the Gluon kernel (``gluon_kernels``): ``cfg["kernel"]`` says
+    so, a Hopper GPU, one query row a request, D = 128, 16-128 heads, 4-byte aligned key rows."""
+    if cfg.get("kernel", "triton") != "gluon" or not PTX_AVAILABLE or not q.is_cuda:
+        return False
+    batch, next_n, num_heads, head_dim = q.shape
+    return (torch.cuda.get_device_capability(q.device)[0] == 9 and next_n == 1 and head_dim == 128
+            and num_heads in (16, 32, 64, 128) and _table_decode(cfg, values))
+
+
 def launch_paged_decode(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -519,6 +533,17 @@ def launch_paged_decode(
                  "contiguous out and BLOCK_N equal to the kernel page (a tile is one page)")
     max_model_len = out.shape[1]
     grid = (triton.cdiv(max_model_len, cfg["BLOCK_N"] * cfg["TILES"]), batch)
+    if mxfp4 and _gluon_decode(cfg, q, values):
+        from dsacache.ops.indexer_logits.gluon_kernels import paged_decode_mxfp4_kernel
+
+        extra = {"maxnreg": cfg["gluon_maxnreg"]} if cfg.get("gluon_maxnreg") else {}
+        paged_decode_mxfp4_kernel[grid](
+            q, weights, context_lens, values, scales, block_table, out,
+            values.shape[0], block_table.shape[1], block_table.stride(0),
+            values.stride(0), scales.stride(0), max_model_len, out.stride(0),
+            H=num_heads, TILES=cfg["TILES"], num_warps=4, **extra,
+        )
+        return
     rows = triton.next_power_of_2(next_n)
     cap = cfg.get("maxnreg") if rows == 1 else cfg.get("maxnreg_rows")
     capped = cap and PTX_AVAILABLE and rows * num_heads <= cfg.get("maxnreg_cols", 0)
