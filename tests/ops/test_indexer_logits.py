@@ -307,7 +307,12 @@ def test_prefill_gpu_shapes(fmt, heads):
 def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads):
     """On Hopper the default MXFP4 decode (next_n = 1) is the Gluon kernel, not a silent fallback,
     and it matches the Triton kernel and the reference, -1 and out-of-range pages included."""
-    from dsacache.ops.indexer_logits.triton_kernels import MXFP4_DECODE_CONFIG, _gluon_decode, launch_paged_decode
+    from dsacache.ops.indexer_logits.triton_kernels import (
+        DECODE_CONFIG,
+        MXFP4_DECODE_CONFIG,
+        _gluon_decode,
+        launch_paged_decode,
+    )
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MXFP4 decode is built for Hopper")
@@ -318,7 +323,7 @@ def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads):
     table = torch.randint(0, num_pages, (batch, 141), dtype=torch.int32, device="cuda")
     table[0, 0], table[3, 100] = -1, num_pages
     lens = torch.tensor([1, 64, 65, 8191, 9000, 130], dtype=torch.int32, device="cuda")
-    assert _gluon_decode(MXFP4_DECODE_CONFIG, q, values)
+    assert _gluon_decode({**DECODE_CONFIG, **MXFP4_DECODE_CONFIG}, q, values)
     outs = {}
     for kernel in ("gluon", "triton"):
         outs[kernel] = torch.full((batch, max_model_len), float("nan"), device="cuda")

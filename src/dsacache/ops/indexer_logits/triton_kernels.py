@@ -509,6 +509,12 @@ def _gluon_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor) -> bool:
             and num_heads in (16, 32, 64, 128) and _table_decode(cfg, values))
 
 
+def decode_kernel(q: torch.Tensor, values: torch.Tensor, mxfp4: bool, config: dict | None = None) -> str:
+    """Which kernel ``launch_paged_decode`` runs for these inputs: "gluon" or "triton" (for reports)."""
+    cfg = {**DECODE_CONFIG, **(MXFP4_DECODE_CONFIG if mxfp4 else {}), **(config or {})}
+    return "gluon" if mxfp4 and _gluon_decode(cfg, q, values) else "triton"
+
+
 def launch_paged_decode(
     q: torch.Tensor,
     weights: torch.Tensor,
