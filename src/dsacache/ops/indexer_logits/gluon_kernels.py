@@ -30,6 +30,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from dsacache.ops.indexer_logits.triton_kernels import group_tables_ptx
+
 # One register of e4m3 bytes from half s of a packed word: $1 the word, $5 the half's shift
 # (0 or 16), $9 the group's t (< 0: dropped). Tables and sign trick as in _TABLE_ASM
 # (triton_kernels.py); pack=4 hands each input over four times, only the first is read.
@@ -37,16 +39,7 @@ _HALF_ASM = gl.constexpr("""
 {
 .reg .pred kept;
 .reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
-setp.ge.s32 kept, $9, 0;
-mad.lo.s32 pl, $9, 0x08080800, 0x14100800;
-mad.lo.s32 ph, $9, 0x08080808, 0x24201C18;
-mad.lo.s32 nl, $9, 0x04040400, 0x4A484440;
-mad.lo.s32 nh, $9, 0x04040404, 0x52504E4C;
-selp.b32 pl, pl, 0, kept;
-selp.b32 ph, ph, 0, kept;
-selp.b32 nl, nl, 0, kept;
-selp.b32 nh, nh, 0, kept;
-shr.u32 sel, $1, $5;
+""" + group_tables_ptx("$9") + """shr.u32 sel, $1, $5;
 xor.b32 flip, sel, 0x8888;
 prmt.b32 pos, pl, ph, sel;
 prmt.b32 neg, nl, nh, flip;

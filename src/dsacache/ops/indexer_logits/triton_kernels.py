@@ -183,20 +183,26 @@ def _mxfp4_token_factor(top):
 # first, the second table gives the negative ones, and pos + 2 neg is the signed byte (every
 # magnitude is a multiple of 4, so nothing is lost by the halving, and -0 stays 0x80 as in
 # `_nibble_to_e4m3`). 9 instructions a word, 8 values.
-_TABLE_ASM = tl.constexpr("""
-{
-.reg .pred kept;
-.reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
-setp.ge.s32 kept, $6, 0;
-mad.lo.s32 pl, $6, 0x08080800, 0x14100800;
-mad.lo.s32 ph, $6, 0x08080808, 0x24201C18;
-mad.lo.s32 nl, $6, 0x04040400, 0x4A484440;
-mad.lo.s32 nh, $6, 0x04040404, 0x52504E4C;
+def group_tables_ptx(t: str) -> str:
+    """PTX that builds a group's four prmt tables (pl, ph, nl, nh; all zero for a dropped
+    group) from its t in operand ``t``, for the "table" decodes (here and ``gluon_kernels``)."""
+    return f"""setp.ge.s32 kept, {t}, 0;
+mad.lo.s32 pl, {t}, 0x08080800, 0x14100800;
+mad.lo.s32 ph, {t}, 0x08080808, 0x24201C18;
+mad.lo.s32 nl, {t}, 0x04040400, 0x4A484440;
+mad.lo.s32 nh, {t}, 0x04040404, 0x52504E4C;
 selp.b32 pl, pl, 0, kept;
 selp.b32 ph, ph, 0, kept;
 selp.b32 nl, nl, 0, kept;
 selp.b32 nh, nh, 0, kept;
-xor.b32 flip, $2, 0x88888888;
+"""
+
+
+_TABLE_ASM = tl.constexpr("""
+{
+.reg .pred kept;
+.reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
+""" + group_tables_ptx("$6") + """xor.b32 flip, $2, 0x88888888;
 prmt.b32 pos, pl, ph, $2;
 prmt.b32 neg, nl, nh, flip;
 shl.b32 neg, neg, 1;
