@@ -84,6 +84,26 @@ DROPPED_GROUP = tl.constexpr(0x80)
 # e2m1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 times 2**-5 (0x00 08 10 14 | 18 1C 20 24, all
 # normal but 0); prmt looks up four at once; adding 8 t to a nonzero code multiplies it by
 # 2**t and never carries into the next byte (codes stay <= 0x7C).
+def _nibble_bytes_ptx(out: str, src: str, sign: str) -> str:
+    """PTX of one nibble of the v1 decode: the codes' magnitudes in the low 3 bits of each byte
+    of ``src``, their signs put at bit 7 of x by the lines ``sign``, the e4m3 bytes into ``out``."""
+    return f"""and.b32 x, {src}, 0x07070707;
+add.u32 nz, x, 0x7F7F7F7F;
+and.b32 nz, nz, 0x80808080;
+shr.u32 nz, nz, 7;
+mul.lo.u32 nz, nz, 0xFF;
+and.b32 nz, nz, $3;
+shr.u32 sel, x, 4;
+or.b32 sel, sel, x;
+prmt.b32 sel, sel, sel, 0x0020;
+prmt.b32 mag, tlo, thi, sel;
+add.u32 mag, mag, nz;
+{sign}
+or.b32 mag, mag, x;
+and.b32 {out}, mag, keep;
+"""
+
+
 _PRMT_ASM = tl.constexpr("""
 {
 .reg .b32 tlo, thi, keep, x, nz, sel, mag;
@@ -93,37 +113,8 @@ and.b32 keep, $3, 0x80808080;
 shr.u32 keep, keep, 7;
 mul.lo.u32 keep, keep, 0xFF;
 not.b32 keep, keep;
-and.b32 x, $2, 0x07070707;
-add.u32 nz, x, 0x7F7F7F7F;
-and.b32 nz, nz, 0x80808080;
-shr.u32 nz, nz, 7;
-mul.lo.u32 nz, nz, 0xFF;
-and.b32 nz, nz, $3;
-shr.u32 sel, x, 4;
-or.b32 sel, sel, x;
-prmt.b32 sel, sel, sel, 0x0020;
-prmt.b32 mag, tlo, thi, sel;
-add.u32 mag, mag, nz;
-shl.b32 x, $2, 4;
-and.b32 x, x, 0x80808080;
-or.b32 mag, mag, x;
-and.b32 $0, mag, keep;
-shr.u32 x, $2, 4;
-and.b32 x, x, 0x07070707;
-add.u32 nz, x, 0x7F7F7F7F;
-and.b32 nz, nz, 0x80808080;
-shr.u32 nz, nz, 7;
-mul.lo.u32 nz, nz, 0xFF;
-and.b32 nz, nz, $3;
-shr.u32 sel, x, 4;
-or.b32 sel, sel, x;
-prmt.b32 sel, sel, sel, 0x0020;
-prmt.b32 mag, tlo, thi, sel;
-add.u32 mag, mag, nz;
-and.b32 x, $2, 0x80808080;
-or.b32 mag, mag, x;
-and.b32 $1, mag, keep;
-}
+""" + _nibble_bytes_ptx("$0", "$2", "shl.b32 x, $2, 4;\nand.b32 x, x, 0x80808080;") + """shr.u32 x, $2, 4;
+""" + _nibble_bytes_ptx("$1", "x", "and.b32 x, $2, 0x80808080;") + """}
 """)
 
 
