@@ -32,6 +32,8 @@ outputs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -64,7 +66,8 @@ TOPK_CONFIG = {"algo": "v3", "BLOCK": 2048, "SAMPLES": None, "num_warps": 8, "CA
                "TIES": 32, "asm": True, "SAMPLE_BITS": 4, "pdl": True, "tile_asm": True, "LOAD": None}
 
 
-def _filter_tile_ptx(v: int) -> str:
+@functools.lru_cache(maxsize=None)
+def filter_tile_ptx(v: int) -> str:
     """PTX for one warp's tile step of the v3 filter (``_filter_tile_asm``), ``v`` logits a lane.
 
     The tile is laid out as the 4-wide loads leave it: a lane holds ``v / 4`` runs of 4 adjacent
@@ -120,19 +123,21 @@ def _filter_tile_ptx(v: int) -> str:
     return "\n".join(lines)
 
 
-#: The tile-step PTX for each supported logits-a-lane count (one run of 4 to four runs).
-_FILTER_TILE_PTX_4 = tl.constexpr(_filter_tile_ptx(4))
-_FILTER_TILE_PTX_8 = tl.constexpr(_filter_tile_ptx(8))
-_FILTER_TILE_PTX_16 = tl.constexpr(_filter_tile_ptx(16))
-_FILTER_TILE_REGS_4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28 + ["l"] * 8 + ["r"] * 8))
-_FILTER_TILE_REGS_8 = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 56 + ["l"] * 16 + ["r"] * 16))
-_FILTER_TILE_REGS_16 = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 112 + ["l"] * 32 + ["r"] * 32))
+@functools.lru_cache(maxsize=None)
+def filter_tile_regs(v: int) -> str:
+    """Inline-asm constraints of ``_filter_tile_ptx(v)``: v outputs, then the inputs (7 x v 32-bit,
+    2 x v pointers, 2 x v 32-bit)."""
+    return ",".join(["=r"] * v + ["r"] * (7 * v) + ["l"] * (2 * v) + ["r"] * (2 * v))
+
+
+#: The logits-a-lane counts the tile-step PTX supports (one to four runs of 4).
+FILTER_TILE_V = (4, 8, 16)
 
 
 @triton.jit
 def _filter_tile_asm(asm: tl.constexpr, regs: tl.constexpr, x, pos, count, cut_f, span, cut, shift, seg, hist_row,
                      SEG_CAP: tl.constexpr, BINS: tl.constexpr, V: tl.constexpr):
-    """One tile step of the filter as PTX (``_filter_tile_ptx``); ``count`` is the running
+    """One tile step of the filter as PTX (``filter_tile_ptx``); ``count`` is the running
     candidate count broadcast over the tile, returned updated."""
     shape: tl.constexpr = x.shape
     return tl.inline_asm_elementwise(
@@ -149,7 +154,8 @@ def _filter_tile_asm(asm: tl.constexpr, regs: tl.constexpr, x, pos, count, cut_f
 @triton.jit
 def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, seg,
                  SEG_CAP: tl.constexpr, BINS: tl.constexpr, V: tl.constexpr, USE_ASM: tl.constexpr,
-                 PDL: tl.constexpr, TILE_ASM: tl.constexpr = False):
+                 PDL: tl.constexpr, TILE_ASM: tl.constexpr = False, TILE_PTX: tl.constexpr = "",
+                 TILE_REGS: tl.constexpr = ""):
     """One warp's candidates of columns [lo, hi) (``hi_load >= hi`` bounds the loads, a multiple
     of 4 when ``lo`` is, so they vectorize): (key, position - start) pairs of each key >= cut,
     in order, into the segment ``seg`` (at most SEG_CAP pairs), each counted into the row's
@@ -161,7 +167,7 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
     With PDL (programmatic dependent launch) the first tile is loaded before waiting for the
     cut-off kernel, whose cut-off, shift and zeroed histogram are used after the wait.
     TILE_ASM runs each tile step
-    as one block of PTX (``_filter_tile_ptx``: the per-candidate work only where some lane
+    as one block of PTX (``filter_tile_ptx``: the per-candidate work only where some lane
     keeps a candidate) instead of per-logit predicated stores (needs 16-byte aligned tiles).
     Returns the count (may exceed SEG_CAP)."""
     TILE: tl.constexpr = 32 * V
@@ -181,15 +187,8 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
         x_next = tl.load(row_ptr + nxt, mask=nxt < hi_load, other=0.0)
         pos = col - start
         if TILE_ASM:
-            if V == 4:
-                counts = _filter_tile_asm(_FILTER_TILE_PTX_4, _FILTER_TILE_REGS_4, x, pos, counts, cut_f, span, cut, shift, seg,
-                                          hist_row, SEG_CAP, BINS, V)
-            elif V == 8:
-                counts = _filter_tile_asm(_FILTER_TILE_PTX_8, _FILTER_TILE_REGS_8, x, pos, counts, cut_f, span, cut, shift, seg,
-                                          hist_row, SEG_CAP, BINS, V)
-            else:
-                counts = _filter_tile_asm(_FILTER_TILE_PTX_16, _FILTER_TILE_REGS_16, x, pos, counts, cut_f, span, cut, shift, seg,
-                                          hist_row, SEG_CAP, BINS, V)
+            counts = _filter_tile_asm(TILE_PTX, TILE_REGS, x, pos, counts, cut_f, span, cut, shift, seg, hist_row,
+                                      SEG_CAP, BINS, V)
         else:
             keep = (x >= cut_f) & (pos.to(tl.uint32) < span)
             keep_i = keep.to(tl.int32)
@@ -255,6 +254,7 @@ def _topk_filter_v3_kernel(
     V: tl.constexpr, ALIGNED: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
     HAS_STARTS: tl.constexpr,  # False: every row starts at column 0 (starts_ptr unused)
     TILE_ASM: tl.constexpr = False,  # see _filter_warp; needs ALIGNED
+    TILE_PTX: tl.constexpr = "", TILE_REGS: tl.constexpr = "",  # with TILE_ASM: filter_tile_ptx(V), filter_tile_regs(V)
 ):
     """v3 step 2, PROGS one-warp programs a long row: candidates at or above the row's
     cut-off. One warp a program keeps every scan inside the warp (no barrier in the loop)
@@ -281,7 +281,7 @@ def _topk_filter_v3_kernel(
             row_ptr = logits_ptr + row.to(tl.int64) * row_stride
         count = _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr + row, shift_ptr + row,
                              hist_ptr + row.to(tl.int64) * BINS, seg, SEG_CAP, BINS, V, USE_ASM, PDL,
-                             TILE_ASM and ALIGNED)
+                             TILE_ASM and ALIGNED, TILE_PTX, TILE_REGS)
         if PDL:
             gdc_launch_dependents()
         tl.store(counts_ptr + row * PROGS + prog, count)
@@ -497,11 +497,13 @@ def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
     # One wave of selects (rows <= SMs) is latency-bound: 8 warps hold a row's candidates
     # without spilling. H200, L = 128K: 64 rows 15.0 -> 13.1 us; 256 rows 16 warps are faster.
     select_warps = cfg["select_warps"] or (8 if rows <= num_sms else 16)
+    tile = {"TILE_ASM": False}
+    if cfg["tile_asm"] and cfg["asm"] and PTX_AVAILABLE and vec in FILTER_TILE_V:
+        tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec), "TILE_REGS": filter_tile_regs(vec)}
     _topk_filter_v3_kernel[(progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, stride, **window,
                                           SEG_CAP=cap // progs, V=vec, ALIGNED=aligned,
                                           USE_ASM=cfg["asm"] and PTX_AVAILABLE, num_warps=1,
-                                          TILE_ASM=cfg["tile_asm"] and cfg["asm"] and PTX_AVAILABLE and vec in (4, 8, 16),
-                                          **pdl, **common)
+                                          **tile, **pdl, **common)
     _topk_select_v3_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
                                     buf_keys, buf_pos, stride, **window, BLOCK=cfg["BLOCK"], CAP=cap, BITS=RADIX_BITS,
                                     TIES=cfg["TIES"], LOAD=cfg["LOAD"] or select_load_v3(k, samples, logits.shape[1], cap // progs, progs), num_warps=select_warps,
