@@ -30,7 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from dsacache.ops.indexer_logits.triton_kernels import group_tables_ptx
+from dsacache.ops.indexer_logits.triton_kernels import group_tables_ptx, table_lookup_ptx
 
 # One register of e4m3 bytes from half s of a packed word: $1 the word, $5 the half's shift
 # (0 or 16), $9 the group's t (< 0: dropped). Tables and sign trick as in _TABLE_ASM
@@ -41,11 +41,7 @@ _HALF_ASM = gl.constexpr("""
 .reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
 """ + group_tables_ptx("$9") + """shr.u32 sel, $1, $5;
 xor.b32 flip, sel, 0x8888;
-prmt.b32 pos, pl, ph, sel;
-prmt.b32 neg, nl, nh, flip;
-shl.b32 neg, neg, 1;
-add.u32 $0, pos, neg;
-}
+""" + table_lookup_ptx("$0", "sel") + """}
 """)
 
 

@@ -189,22 +189,23 @@ selp.b32 nh, nh, 0, kept;
 """
 
 
+def table_lookup_ptx(out: str, sel: str) -> str:
+    """PTX: the four signed e4m3 bytes of the codes selected by ``sel`` (flip: ``sel`` with its
+    sign bits flipped) from the group's tables, into ``out``."""
+    return f"""prmt.b32 pos, pl, ph, {sel};
+prmt.b32 neg, nl, nh, flip;
+shl.b32 neg, neg, 1;
+add.u32 {out}, pos, neg;
+"""
+
+
 _TABLE_ASM = tl.constexpr("""
 {
 .reg .pred kept;
 .reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
-""" + group_tables_ptx("$6") + """xor.b32 flip, $2, 0x88888888;
-prmt.b32 pos, pl, ph, $2;
-prmt.b32 neg, nl, nh, flip;
-shl.b32 neg, neg, 1;
-add.u32 $0, pos, neg;
-shr.u32 sel, $2, 16;
+""" + group_tables_ptx("$6") + "xor.b32 flip, $2, 0x88888888;\n" + table_lookup_ptx("$0", "$2") + """shr.u32 sel, $2, 16;
 shr.u32 flip, flip, 16;
-prmt.b32 pos, pl, ph, sel;
-prmt.b32 neg, nl, nh, flip;
-shl.b32 neg, neg, 1;
-add.u32 $1, pos, neg;
-}
+""" + table_lookup_ptx("$1", "sel") + """}
 """)
 
 

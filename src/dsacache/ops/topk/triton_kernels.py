@@ -125,7 +125,7 @@ def filter_tile_ptx(v: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def filter_tile_regs(v: int) -> str:
-    """Inline-asm constraints of ``_filter_tile_ptx(v)``: v outputs, then the inputs (7 x v 32-bit,
+    """Inline-asm constraints of ``filter_tile_ptx(v)``: v outputs, then the inputs (7 x v 32-bit,
     2 x v pointers, 2 x v 32-bit)."""
     return ",".join(["=r"] * v + ["r"] * (7 * v) + ["l"] * (2 * v) + ["r"] * (2 * v))
 
