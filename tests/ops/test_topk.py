@@ -1,6 +1,11 @@
 """Top-k and positions -> slots: Triton (interpreter on CPU, compiled on CUDA) against the
 PyTorch reference, and both against torch.topk (as sets, never by raw order)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -288,3 +293,64 @@ def test_topk_gpu_matches_reference_and_topk_sets(length, k):
         assert torch.equal(run_topk("triton", logits, lens, k), out)
     row0 = torch.topk(logits[0], min(k, length)).indices
     assert as_sets(out[:1]) == as_sets(row0[None])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, length", [(3, 20_000), (64, 131_072), (256, 32_768)])
+def test_gluon_select_matches_reference(rows, length):
+    """The Gluon ballot select (v3 step 3 on Hopper) on the rows it takes (random rows, ties
+    inside the chosen bin) writes the reference's output element for element; the rows it leaves
+    (heavy ties, a sorted row, short rows) are finished by the Triton select."""
+    from dsacache.ops.topk.triton_kernels import _gluon_select, launch_topk
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon select runs on Hopper and newer")
+    k = 2048
+    logits = torch.randn(rows, length, device="cuda")
+    logits[:, ::97] = logits[:, ::97].round()  # exact ties near every cut-off
+    lens = torch.full((rows,), length, dtype=torch.int32, device="cuda")
+    ref = run_topk("torch", logits, lens, k)
+    only = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
+    launch_topk(logits, lens, None, only, {"select": "gluon-only"})
+    taken = (only != -7).all(dim=1)
+    assert taken.float().mean() > 0.9, "the Gluon select left most random rows"
+    assert torch.equal(only[taken], ref[taken])
+    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the Gluon select"
+
+    logits[0] = torch.randint(0, 3, (length,), device="cuda").float()
+    logits[1] = logits[1].sort().values
+    lens[2] = 5000
+    ref = run_topk("torch", logits, lens, k)
+    for _ in range(3):
+        assert torch.equal(run_topk("triton", logits, lens, k), ref)
+    assert _gluon_select({"select": "gluon", "TIES": 32}, logits, 64, 128, 8, 2048)
+
+
+def test_gluon_select_compiles_for_hopper():
+    """The Gluon select builds for sm_90 on any machine (ptxas ships with Triton): its layouts tile
+    the default shapes. In a fresh interpreter: this process runs Triton
+    in interpreter mode, where kernels cannot be compiled."""
+    pytest.importorskip("triton.experimental.gluon")
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from dsacache.ops.topk.gluon_kernels import topk_select_ballot_kernel as kernel
+
+pointers = ["lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr", "counts_ptr",
+            "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]
+signature = {name: "*i64" if name == "seg_ptr" else "*i32" for name in pointers}
+signature.update(width="i32", stride_tie="i32")
+constants = dict(K=2048, SAMPLES=2048, PROGS=64, SEG=128, LOAD=128, CAP=8192, BINS=2048, TIES=32,
+                 HAS_STARTS=False, PDL=True)
+signature.update({name: "constexpr" for name in constants})
+compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 8})
+assert "vote.sync.ballot.b32" in compiled.asm["ptx"] and compiled.asm["cubin"]
+print("built")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "built" in done.stdout

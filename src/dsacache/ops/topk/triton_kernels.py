@@ -25,6 +25,10 @@ three launches:
    the select is latency-bound and straight-line code larger than the instruction cache
    made it slower.
 
+On Hopper and newer, step 3 first runs the Gluon ballot select (``gluon_kernels``), which
+takes the common row (the tile-wide scans above as warp ballots, ~2x faster) and marks it
+done; the Triton select then finishes only the rows it left (``SKIP_DONE``).
+
 On CUDA the filter and select are launched with programmatic dependent launch: each starts
 while the kernel before it finishes and waits (``griddepcontrol.wait``) before reading its
 outputs.
@@ -60,10 +64,13 @@ if not INTERPRET:
 #: v2 only: STREAMS (per-warp candidate streams a filter program keeps). v3 only: PROGS
 #: (one-warp filter programs a row, default from the row and SM counts), V (logits a lane a
 #: filter step), TIES (largest chosen bin ranked pairwise), asm (inline PTX where available),
-#: pdl (programmatic dependent launch of the filter and select kernels, CUDA only).
+#: pdl (programmatic dependent launch of the filter and select kernels, CUDA only), select ("gluon":
+#: the Gluon ballot select first where it applies, see ``gluon_kernels``; "triton": only the Triton
+#: select; "gluon-only", for tests: no Triton select after it), gluon_select_warps (its warps).
 TOPK_CONFIG = {"algo": "v3", "BLOCK": 2048, "SAMPLES": None, "num_warps": 8, "CAP": None, "SPLITS": None,
                "BINS": 2048, "SAMPLE_RUN": 8, "select_warps": None, "STREAMS": 8, "PROGS": None, "V": 8,
-               "TIES": 32, "asm": True, "SAMPLE_BITS": 4, "pdl": True, "tile_asm": True, "LOAD": None}
+               "TIES": 32, "asm": True, "SAMPLE_BITS": 4, "pdl": True, "tile_asm": True, "LOAD": None,
+               "select": "gluon", "gluon_select_warps": 8}
 
 
 @functools.lru_cache(maxsize=None)
@@ -359,17 +366,36 @@ def _topk_select_v3_kernel(
     BINS: tl.constexpr, BITS: tl.constexpr, TIES: tl.constexpr, PDL: tl.constexpr,
     HAS_STARTS: tl.constexpr,  # False: every row starts at column 0 (starts_ptr unused)
     LOAD: tl.constexpr = 0,  # candidate slots of a segment loaded first (<= CAP // PROGS; launchers set it)
+    done_ptr=None,  # [R] int32 (with SKIP_DONE): 1 for the rows the Gluon select already wrote
+    SKIP_DONE: tl.constexpr = False,
 ):
     """v3 step 3, one program a row: exact selection from the candidates in registers.
 
     A skewed row (a program found more than its CAP / PROGS share, e.g. logits that grow
     with the position) is filtered again here, whole, into a dense buffer, and selected the
-    same way; short rows and a missed cut-off take the v1 paths."""
-    SEG: tl.constexpr = CAP // PROGS
-    LANES: tl.constexpr = 128
+    same way; short rows and a missed cut-off take the v1 paths. With SKIP_DONE, after the
+    Gluon select (``gluon_kernels``), only the rows it left (``done == 0``)."""
     row = tl.program_id(0)
     if PDL:
-        gdc_wait()  # launched while the filter finished: its outputs are complete from here
+        gdc_wait()  # launched while the kernel before finished: its outputs are complete from here
+    todo = True
+    if SKIP_DONE:
+        todo = tl.load(done_ptr + row) == 0
+    if todo:
+        _select_v3_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, seg_ptr, counts_ptr,
+                       buf_keys_ptr, buf_pos_ptr, row_stride, width, row, K, BLOCK, CAP, SAMPLES, PROGS, BINS, BITS,
+                       TIES, HAS_STARTS, LOAD)
+
+
+@triton.jit
+def _select_v3_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, seg_ptr, counts_ptr,
+                   buf_keys_ptr, buf_pos_ptr, row_stride, width, row,
+                   K: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLES: tl.constexpr,
+                   PROGS: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr, TIES: tl.constexpr,
+                   HAS_STARTS: tl.constexpr, LOAD: tl.constexpr):
+    """The body of ``_topk_select_v3_kernel`` for one row."""
+    SEG: tl.constexpr = CAP // PROGS
+    LANES: tl.constexpr = 128
     # Every load the register path needs is issued here, before anything waits on another
     # (for a row that turns out short they are unused; the scratch past a count is garbage,
     # masked below).
@@ -504,10 +530,34 @@ def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
                                           SEG_CAP=cap // progs, V=vec, ALIGNED=aligned,
                                           USE_ASM=cfg["asm"] and PTX_AVAILABLE, num_warps=1,
                                           **tile, **pdl, **common)
+    load = cfg["LOAD"] or select_load_v3(k, samples, logits.shape[1], cap // progs, progs)
+    skip = {}
+    gluon_warps = cfg["gluon_select_warps"]
+    if _gluon_select(cfg, logits, progs, load, gluon_warps, bins):
+        from dsacache.ops.topk.gluon_kernels import topk_select_ballot_kernel
+
+        done = torch.empty(rows, dtype=torch.int32, device=device)
+        topk_select_ballot_kernel[(rows,)](lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
+                                           buf_keys, buf_pos, done, window["width"], buf_keys.stride(0),
+                                           SEG=cap // progs, LOAD=load, CAP=cap, TIES=cfg["TIES"],
+                                           HAS_STARTS=window["HAS_STARTS"], PDL=pdl["PDL"], num_warps=gluon_warps,
+                                           **({"launch_pdl": True} if pdl["PDL"] else {}), **common)
+        skip = {"done_ptr": done, "SKIP_DONE": True}
+        if cfg["select"] == "gluon-only":
+            return  # tests: the rows the Gluon select leaves stay unwritten
     _topk_select_v3_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
                                     buf_keys, buf_pos, stride, **window, BLOCK=cfg["BLOCK"], CAP=cap, BITS=RADIX_BITS,
-                                    TIES=cfg["TIES"], LOAD=cfg["LOAD"] or select_load_v3(k, samples, logits.shape[1], cap // progs, progs), num_warps=select_warps,
-                                    **pdl, **common)
+                                    TIES=cfg["TIES"], LOAD=load, num_warps=select_warps, **skip, **pdl, **common)
+
+
+def _gluon_select(cfg: dict, logits: torch.Tensor, progs: int, load: int, num_warps: int, bins: int) -> bool:
+    """Whether the v3 select runs the Gluon kernel first (``gluon_kernels``): ``cfg["select"]``
+    says so, compiled CUDA on a Hopper or newer GPU, and shapes its layouts tile exactly."""
+    if cfg["select"] not in ("gluon", "gluon-only") or not PTX_AVAILABLE or not logits.is_cuda:
+        return False
+    return (torch.cuda.get_device_capability(logits.device)[0] >= 9 and load % 32 == 0
+            and (progs * load // 32) % num_warps == 0
+            and bins % (32 * num_warps) == 0 and cfg["TIES"] % 32 == 0)
 
 
 def launch_positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,

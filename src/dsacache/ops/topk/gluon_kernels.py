@@ -1,0 +1,167 @@
+"""The v3 top-k select (step 3) as a Gluon kernel: warp ballots instead of tile-wide scans.
+
+``_topk_select_v3_kernel`` (``triton_kernels``) works on a [segments, slots] tile whose
+scans and reductions Triton lays out for itself: at B = 64, L = 128K it ran ~3,200
+instructions a warp with spills, at ~9 cycles each (13 us). Here the candidates are
+32-slot chunks, one warp a run of consecutive chunks and one lane a slot, so:
+
+* a chunk's count and each lane's place in it are a ``vote.ballot`` and two ``popc``
+  (no shuffles), and the running offsets over a warp's chunks are a scan over its own
+  registers; only the per-warp totals cross warps;
+* the chosen bin's candidates (at most TIES) are compacted by the same offsets into a
+  scratch buffer and ranked pairwise on (distance, position), as in the Triton kernel;
+* every taken position is written in position order, as the Triton kernel does, so the
+  output is the same, element for element.
+
+It handles the common row only: a long row whose cut-off kept between k and CAP
+candidates, no segment fuller than LOAD, and a chosen bin taken whole or holding at most
+TIES candidates. It writes ``done[row] = 1`` for those and 0 for the rest, which the Triton
+kernel, launched after it, selects as before (``SKIP_DONE``).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+# (candidates in the chunk, lanes before this one holding one) from a 0/1 flag a lane.
+_BALLOT_ASM = gl.constexpr("""{
+.reg .pred p;
+.reg .b32 m, lt;
+setp.ne.s32 p, $2, 0;
+vote.sync.ballot.b32 m, p, -1;
+popc.b32 $0, m;
+mov.u32 lt, %lanemask_lt;
+and.b32 lt, lt, m;
+popc.b32 $1, lt;
+}""")
+
+
+@gluon.jit
+def _ballot_counts(flag):
+    """``flag`` [chunks, 32 lanes] (int32 0/1, a warp a chunk row) -> (chunk count, lanes before)."""
+    return gl.inline_asm_elementwise(_BALLOT_ASM, "=r,=r,r", [flag], dtype=(gl.int32, gl.int32), is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _exclusive_over_chunks(counts):
+    """Exclusive prefix sum over axis 0 of [chunks, 32] (every lane of a row holds the same count)."""
+    return gl.associative_scan(counts, 0, _add) - counts
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _histogram_cut(hist, want, HL: gl.constexpr):
+    """(chosen bin, candidates to take from it, candidates in it) for the want-th largest."""
+    bins = gl.arange(0, hist.shape[0], layout=HL)
+    at_least = gl.sum(hist, axis=0) - gl.associative_scan(hist, 0, _add) + hist
+    chosen = gl.sum((at_least >= want).to(gl.int32), axis=0) - 1
+    in_bin = gl.sum(gl.where(bins == chosen, hist, 0), axis=0)
+    above = gl.sum(gl.where(bins > chosen, hist, 0), axis=0)
+    return chosen, want - above, in_bin
+
+
+@gluon.jit
+def _tie_cut(tie_keys, tie_pos, in_bin, left, TIES: gl.constexpr, num_warps: gl.constexpr):
+    """The ``left``-th of the ``in_bin`` scratch candidates in the order distance (largest
+    first) then position (lowest first), as (distance, position)."""
+    PL: gl.constexpr = gl.BlockedLayout([1, TIES // 32], [1, 32], [num_warps, 1], [1, 0])
+    i = gl.arange(0, TIES, layout=gl.SliceLayout(1, PL))
+    j = gl.arange(0, TIES, layout=gl.SliceLayout(0, PL))
+    di = gl.load(tie_keys + i, mask=i < in_bin, other=0).to(gl.uint32, bitcast=True)
+    pi = gl.load(tie_pos + i, mask=i < in_bin, other=0)
+    dj = gl.load(tie_keys + j, mask=j < in_bin, other=0).to(gl.uint32, bitcast=True)
+    pj = gl.load(tie_pos + j, mask=j < in_bin, other=0)
+    ahead = (i < in_bin)[:, None] & ((di[:, None] > dj[None, :]) | ((di[:, None] == dj[None, :]) &
+                                                                      (pi[:, None] < pj[None, :])))
+    rank = gl.sum(ahead.to(gl.int32), axis=0)
+    pick = (j < in_bin) & (rank == left - 1)
+    return gl.max(gl.where(pick, dj, 0), axis=0), gl.max(gl.where(pick, pj, -1), axis=0)
+
+
+@gluon.jit
+def topk_select_ballot_kernel(
+    lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
+    starts_ptr,       # [R] int32 or int64 first valid columns (clamped here)
+    out_ptr,          # [R, K] int32
+    cut_ptr,          # [R] int32 (from _topk_cutoff_kernel)
+    shift_ptr,        # [R] int32
+    hist_ptr,         # [R, BINS] int32 (from _topk_filter_v3_kernel)
+    seg_ptr,          # [R, PROGS, SEG] int64 (from _topk_filter_v3_kernel): pos << 32 | key
+    counts_ptr,       # [R, PROGS] int32
+    tie_keys_ptr,     # [R, stride_tie] int32 scratch: the chosen bin's candidates
+    tie_pos_ptr,      # [R, stride_tie] int32 scratch
+    done_ptr,         # [R] int32 out: 1 where this kernel selected the row
+    width, stride_tie,
+    K: gl.constexpr, SAMPLES: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr,
+    CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr, HAS_STARTS: gl.constexpr, PDL: gl.constexpr,
+):
+    W: gl.constexpr = gl.num_warps()
+    CPS: gl.constexpr = LOAD // 32                 # chunks a segment
+    NCH: gl.constexpr = PROGS * CPS
+    # Warp w: chunks [w NCH / W, (w + 1) NCH / W) in its registers, lane l: slot l of each.
+    CH: gl.constexpr = gl.BlockedLayout([NCH // W, 1], [1, 32], [W, 1], [1, 0])
+    HL: gl.constexpr = gl.BlockedLayout([BINS // (32 * W)], [32], [W], [0])
+    row = gl.program_id(0)
+    if PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()  # the Triton select (rows left to it) waits for this grid anyway
+    ch = gl.arange(0, NCH, layout=gl.SliceLayout(1, CH))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, CH))
+    seg_of = ch // CPS
+    slot = (ch % CPS)[:, None] * 32 + lane[None, :]
+    # Every load first, none masked by another's value (slots past a count hold garbage, masked below).
+    pair = gl.load(seg_ptr + row.to(gl.int64) * (PROGS * SEG) + (seg_of * SEG)[:, None] + slot)
+    count = gl.load(counts_ptr + row * PROGS + seg_of)
+    hist = gl.load(hist_ptr + row.to(gl.int64) * BINS + gl.arange(0, BINS, layout=HL))
+    cut = gl.load(cut_ptr + row).to(gl.uint32, bitcast=True)
+    shift = gl.load(shift_ptr + row)
+    if HAS_STARTS:
+        start = gl.minimum(gl.maximum(gl.load(starts_ptr + row), 0), width).to(gl.int32)
+    else:
+        start = 0
+    n = gl.minimum(gl.maximum(gl.load(lens_ptr + row), 0), width - start).to(gl.int32)
+    want = gl.minimum(n, K)
+    total = gl.sum(count, axis=0) // CPS           # each segment's count is held by its CPS chunks
+    chosen, left, in_bin = _histogram_cut(hist, want, HL)
+    fast = ((n > gl.maximum(K, 2 * SAMPLES)) & (total >= want) & (total <= CAP) & (gl.max(count, axis=0) <= LOAD)
+            & ((left == in_bin) | (in_bin <= TIES)))
+    if fast:
+        valid = slot < count[:, None]
+        dist = pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut
+        pos = (pair >> 32).to(gl.int32)
+        bin_ = gl.minimum(dist >> shift, BINS - 1).to(gl.int32)
+        if left == in_bin:
+            take = valid & (bin_ >= chosen)
+        else:
+            in_chosen = valid & (bin_ == chosen)
+            cnt, before = _ballot_counts(in_chosen.to(gl.int32))
+            at = _exclusive_over_chunks(cnt) + before
+            tie_keys = tie_keys_ptr + row.to(gl.int64) * stride_tie
+            tie_pos = tie_pos_ptr + row.to(gl.int64) * stride_tie
+            gl.store(tie_keys + at, dist.to(gl.int32, bitcast=True), mask=in_chosen)
+            gl.store(tie_pos + at, pos, mask=in_chosen)
+            gl.thread_barrier()  # the scratch was written by other warps
+            cut_d, cut_p = _tie_cut(tie_keys, tie_pos, in_bin, left, TIES, W)
+            take = valid & ((bin_ > chosen) | ((bin_ == chosen) & ((dist > cut_d) | ((dist == cut_d) &
+                                                                                     (pos <= cut_p)))))
+        cnt, before = _ballot_counts(take.to(gl.int32))
+        at = _exclusive_over_chunks(cnt) + before
+        gl.store(out_ptr + row.to(gl.int64) * K + at, pos, mask=take)
+    gl.store(done_ptr + row, fast.to(gl.int32))
