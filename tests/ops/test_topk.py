@@ -296,8 +296,9 @@ def test_topk_gpu_matches_reference_and_topk_sets(length, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, length", [(3, 20_000), (64, 131_072), (256, 32_768)])
-def test_gluon_select_matches_reference(rows, length):
+@pytest.mark.parametrize("rows, length, pdl", [(3, 20_000, True), (64, 131_072, True), (256, 32_768, True),
+                                               (64, 32_768, False)])
+def test_gluon_select_matches_reference(rows, length, pdl):
     """The Gluon ballot select (v3 step 3 on Hopper) on the rows it takes (random rows, ties
     inside the chosen bin) writes the reference's output element for element; the rows it leaves
     (heavy ties, a sorted row, short rows) are finished by the Triton select."""
@@ -311,7 +312,7 @@ def test_gluon_select_matches_reference(rows, length):
     lens = torch.full((rows,), length, dtype=torch.int32, device="cuda")
     ref = run_topk("torch", logits, lens, k)
     only = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-    launch_topk(logits, lens, None, only, {"select": "gluon-only"})
+    launch_topk(logits, lens, None, only, {"select": "gluon-only", "pdl": pdl})
     taken = (only != -7).all(dim=1)
     assert taken.float().mean() > 0.9, "the Gluon select left most random rows"
     assert torch.equal(only[taken], ref[taken])
@@ -322,7 +323,9 @@ def test_gluon_select_matches_reference(rows, length):
     lens[2] = 5000
     ref = run_topk("torch", logits, lens, k)
     for _ in range(3):
-        assert torch.equal(run_topk("triton", logits, lens, k), ref)
+        out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
+        launch_topk(logits, lens, None, out, {"pdl": pdl})
+        assert torch.equal(out, ref)
     assert _gluon_select({"select": "gluon", "TIES": 32}, logits, 64, 128, 8, 2048)
 
 

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "profiler slows the launches timed after it)")
 
 
-SWEEP = [{"algo": "v3", "pdl": False}, {"algo": "v3", "select_warps": 16}, {"algo": "v3", "select_warps": 8},
+SWEEP = [{"algo": "v3", "select": "triton"}, {"algo": "v3", "pdl": False}, {"algo": "v3", "gluon_select_warps": 16}, {"algo": "v3", "select_warps": 16}, {"algo": "v3", "select_warps": 8},
          {"algo": "v3", "V": 4}, {"algo": "v3", "SAMPLE_BITS": 8}, {"algo": "v3", "SAMPLES": 1024},
          {"algo": "v3", "TIES": 64}, {"algo": "v2"}, {"algo": "v1", "SPLITS": 1}]
 
@@ -49,6 +49,13 @@ def run_sweep(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.T
         ms = time_graph(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
         print(f"sweep topk {tuple(logits.shape)} {cfg}: {ms * 1e3:.1f} us"
               f"{'' if torch.equal(out, ref) else ' WRONG'}", flush=True)
+
+
+def select_kernel(logits: torch.Tensor, k: int) -> str:
+    """Which v3 select step runs first on these rows with the default settings: "gluon" or "triton"."""
+    from dsacache.ops.topk.triton_kernels import TOPK_CONFIG, select_kernel as which
+
+    return which(TOPK_CONFIG, logits, k)
 
 
 def kernel_times_us(fn, reps: int = 20) -> dict[str, float]:
@@ -144,7 +151,8 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
         nbytes = batch * length * 4 + batch * args.k * 4
         shape = f"B={batch} L={length} k={args.k}" + ("" if dist == "randn" else f" {dist}")
         rows.append(BenchRow("topk_indices", shape, ms, nbytes, args.ceiling_gbps,
-                             {"eager_us": f"{eager_ms * 1e3:.1f}", "torch.topk_us": f"{torch_ms * 1e3:.1f}"}))
+                             {"eager_us": f"{eager_ms * 1e3:.1f}", "torch.topk_us": f"{torch_ms * 1e3:.1f}",
+                              "select": select_kernel(logits, args.k)}))
         print(rows[-1].line(), flush=True)
 
         positions = topk_indices(logits, seq_lens, args.k)

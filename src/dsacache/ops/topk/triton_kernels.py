@@ -494,11 +494,18 @@ def select_load_v3(k: int, samples: int, width: int, seg: int, progs: int) -> in
     return min(seg, triton.next_power_of_2(int(mean + 4 * mean**0.5) + 1))
 
 
-def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
-    rows, k = logits.shape[0], out.shape[1]
+def _v3_shape(cfg: dict, rows: int, k: int, width: int, num_sms: int) -> tuple[int, int, int, int]:
+    """(CAP, PROGS, SAMPLES, LOAD) of a v3 launch: the settings, or their defaults for the shape."""
     cap = cfg.get("CAP") or max(128, triton.next_power_of_2(CANDIDATES_PER_K * k))
     progs = cfg.get("PROGS") or topk_progs_v3(rows, num_sms, cap)
-    samples, bins, vec = cfg["SAMPLES"] or 2048, cfg["BINS"], cfg["V"]
+    samples = cfg["SAMPLES"] or 2048
+    return cap, progs, samples, cfg["LOAD"] or select_load_v3(k, samples, width, cap // progs, progs)
+
+
+def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
+    rows, k = logits.shape[0], out.shape[1]
+    cap, progs, samples, load = _v3_shape(cfg, rows, k, logits.shape[1], num_sms)
+    bins, vec = cfg["BINS"], cfg["V"]
     check_launch(cap & (cap - 1) == 0 and progs & (progs - 1) == 0 and 128 * progs <= cap < 2**16,
                  "v3: CAP and PROGS powers of two, 128 * PROGS <= CAP < 65536")
     check_launch(vec & (vec - 1) == 0 and bins & (bins - 1) == 0 and samples % cfg["SAMPLE_RUN"] == 0,
@@ -530,7 +537,6 @@ def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
                                           SEG_CAP=cap // progs, V=vec, ALIGNED=aligned,
                                           USE_ASM=cfg["asm"] and PTX_AVAILABLE, num_warps=1,
                                           **tile, **pdl, **common)
-    load = cfg["LOAD"] or select_load_v3(k, samples, logits.shape[1], cap // progs, progs)
     skip = {}
     gluon_warps = cfg["gluon_select_warps"]
     if _gluon_select(cfg, logits, progs, load, gluon_warps, bins):
@@ -548,6 +554,14 @@ def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
     _topk_select_v3_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
                                     buf_keys, buf_pos, stride, **window, BLOCK=cfg["BLOCK"], CAP=cap, BITS=RADIX_BITS,
                                     TIES=cfg["TIES"], LOAD=load, num_warps=select_warps, **skip, **pdl, **common)
+
+
+def select_kernel(config: dict, logits: torch.Tensor, k: int) -> str:
+    """Which select a v3 launch on ``logits`` runs first (for reports): "gluon" or "triton"."""
+    cfg = {**TOPK_CONFIG, **config}
+    _, progs, _, load = _v3_shape(cfg, logits.shape[0], k, logits.shape[1], sm_count(logits.device) or 1)
+    use = cfg["algo"] == "v3" and _gluon_select(cfg, logits, progs, load, cfg["gluon_select_warps"], cfg["BINS"])
+    return "gluon" if use else "triton"
 
 
 def _gluon_select(cfg: dict, logits: torch.Tensor, progs: int, load: int, num_warps: int, bins: int) -> bool:
