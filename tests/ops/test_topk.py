@@ -145,6 +145,28 @@ def test_every_kernel_branch_with_small_buffers(algo, extra):
     launch_small(logits, lens, k, config)
 
 
+@pytest.mark.parametrize("start", [0, 37])
+def test_v3_skewed_rows_refilter_only_overflowed_slices(start):
+    """Skewed rows (candidates piling up towards the end): the segments that overflowed are
+    filtered again from their own slices, the others copied; with row starts that are not tile
+    aligned (slice 0 begins before the row), the output equals the reference exactly."""
+    pytest.importorskip("triton")
+    from dsacache.ops.topk.triton_kernels import launch_topk
+
+    k, width = 200, 1500
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, width, generator=gen).to(DEVICE)
+    logits[0] += torch.linspace(0, 4, width, device=DEVICE)          # ramp: later slices overflow
+    logits[1] = torch.arange(width, device=DEVICE).float()           # sorted: only the last slice
+    logits[2, 600:700] += 5.0                                         # one hot slice in the middle
+    starts = torch.full((4,), start, dtype=torch.int32, device=DEVICE)
+    lens = torch.full((4,), width - start, dtype=torch.int32, device=DEVICE)
+    config = {"BLOCK": 64, "CAP": 1024, "SAMPLES": 256, "PROGS": 8, "BINS": 64, "V": 4, "select": "triton"}
+    out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
+    launch_topk(logits, lens, starts, out, config)
+    assert torch.equal(out, topk_indices(logits, lens, k, row_starts=starts, impl="torch"))
+
+
 @pytest.mark.parametrize("algo", ["v2", "v3"])
 def test_register_path_with_ties_and_the_open_last_bin(algo):
     """In registers: a row whose candidates are heavily tied at the cut, and one whose k-th

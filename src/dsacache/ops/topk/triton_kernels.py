@@ -18,8 +18,9 @@ three launches:
    holds more); the histogram names the chosen bin, whose few candidates (at most TIES) are
    ranked pairwise on (key, position), else by radix passes; one prefix sum writes the
    output. A skewed row
-   (a program over its CAP / PROGS share, e.g. logits growing with the position) is filtered
-   again inside the select into a dense buffer and selected the same way. A missed cut-off
+   (a program over its CAP / PROGS share, e.g. logits growing with the position) is gathered
+   into a dense buffer, the overflowed programs' slices filtered again from the row, and
+   selected the same way. A missed cut-off
    (fewer than k candidates, or more than CAP) takes the whole-row radix select, short rows
    (``n <= max(k, 2 * SAMPLES)``) skip steps 1-2. Loops over radix passes are runtime loops:
    the select is latency-bound and straight-line code larger than the instruction cache
@@ -271,12 +272,7 @@ def _topk_filter_v3_kernel(
     row = tl.program_id(1)
     start, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
     if _long_row(n, K, SAMPLES):
-        TILE: tl.constexpr = 32 * V
-        end = start + n
-        first = tl.multiple_of((start // TILE) * TILE, TILE)  # tiles start aligned: loads vectorize
-        chunk = tl.multiple_of(tl.cdiv(tl.cdiv(end - first, PROGS), TILE) * TILE, TILE)
-        lo = first + prog * chunk
-        hi = tl.minimum(lo + chunk, end)
+        lo, hi = _filter_slice(start, n, prog, PROGS, 32 * V)
         if ALIGNED:  # the row's width is a multiple of 4: the 4-wide loads stay inside it
             hi_load = tl.multiple_of(tl.cdiv(hi, 4) * 4, 4)
         else:
@@ -292,6 +288,44 @@ def _topk_filter_v3_kernel(
         if PDL:
             gdc_launch_dependents()
         tl.store(counts_ptr + row * PROGS + prog, count)
+
+
+@triton.jit
+def _filter_slice(start, n, prog, PROGS: tl.constexpr, TILE: tl.constexpr):
+    """Columns [lo, hi) of a row that filter program ``prog`` scans: a row's window [start,
+    start + n) cut into PROGS slices of whole TILE-column tiles, aligned so the loads vectorize
+    (slice 0 may begin before ``start``; the columns before it are never candidates)."""
+    end = start + n
+    first = tl.multiple_of((start // TILE) * TILE, TILE)
+    chunk = tl.multiple_of(tl.cdiv(tl.cdiv(end - first, PROGS), TILE) * TILE, TILE)
+    lo = first + prog * chunk
+    return lo, tl.minimum(lo + chunk, end)
+
+
+@triton.jit
+def _gather_skewed(row_ptr, start, n, counts, seg_row, cut_f, buf_keys, buf_pos,
+                   SEG: tl.constexpr, PROGS: tl.constexpr, TILE: tl.constexpr, CAP: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """A skewed row's candidates, densely and in position order, into the buffers: each
+    segment that holds all its candidates (count <= SEG) is copied, each overflowed one (its
+    program found more than SEG) is filtered again from its own slice of the row only. The
+    counts are exact either way, so every segment lands at its prefix-sum offset."""
+    offsets = tl.cumsum(counts, axis=0) - counts
+    lane = tl.arange(0, SEG)[None, :]
+    kept = (lane < counts[:, None]) & (counts[:, None] <= SEG)
+    pair = tl.load(seg_row + lane, mask=kept)
+    tl.store(buf_keys + offsets[:, None] + lane, pair.to(tl.int32), mask=kept)
+    tl.store(buf_pos + offsets[:, None] + lane, (pair >> 32).to(tl.int32), mask=kept)
+    progs = tl.arange(0, PROGS)
+    over = counts > SEG
+    nth = tl.cumsum(over.to(tl.int32), axis=0) - 1
+    for i in range(loop_bound(tl.sum(over.to(tl.int32), axis=0))):
+        pick = over & (nth == i)
+        prog = tl.sum(tl.where(pick, progs, 0), axis=0)
+        at = tl.sum(tl.where(pick, offsets, 0), axis=0)
+        lo, hi = _filter_slice(start, n, prog, PROGS, TILE)
+        # row_ptr is the row's column ``start``: positions are relative to it
+        _filter(row_ptr, tl.maximum(lo - start, 0), hi - start, cut_f, buf_keys + at, buf_pos + at, CAP, BLOCK)
 
 
 @triton.jit
@@ -368,12 +402,13 @@ def _topk_select_v3_kernel(
     LOAD: tl.constexpr = 0,  # candidate slots of a segment loaded first (<= CAP // PROGS; launchers set it)
     done_ptr=None,  # [R] int32 (with SKIP_DONE): 1 for the rows the Gluon select already wrote
     SKIP_DONE: tl.constexpr = False,
+    TILE: tl.constexpr = 256,  # the filter's tile (32 V): its slices are re-filtered for a skewed row
 ):
     """v3 step 3, one program a row: exact selection from the candidates in registers.
 
     A skewed row (a program found more than its CAP / PROGS share, e.g. logits that grow
-    with the position) is filtered again here, whole, into a dense buffer, and selected the
-    same way; short rows and a missed cut-off take the v1 paths. With SKIP_DONE, after the
+    with the position) is gathered into a dense buffer (``_gather_skewed``: the overflowed
+    programs' slices filtered again) and selected the same way; short rows and a missed cut-off take the v1 paths. With SKIP_DONE, after the
     Gluon select (``gluon_kernels``), only the rows it left (``done == 0``)."""
     row = tl.program_id(0)
     if PDL:
@@ -384,7 +419,7 @@ def _topk_select_v3_kernel(
     if todo:
         _select_v3_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, seg_ptr, counts_ptr,
                        buf_keys_ptr, buf_pos_ptr, row_stride, width, row, K, BLOCK, CAP, SAMPLES, PROGS, BINS, BITS,
-                       TIES, HAS_STARTS, LOAD)
+                       TIES, HAS_STARTS, LOAD, TILE)
 
 
 @triton.jit
@@ -392,7 +427,7 @@ def _select_v3_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
                    buf_keys_ptr, buf_pos_ptr, row_stride, width, row,
                    K: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLES: tl.constexpr,
                    PROGS: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr, TIES: tl.constexpr,
-                   HAS_STARTS: tl.constexpr, LOAD: tl.constexpr):
+                   HAS_STARTS: tl.constexpr, LOAD: tl.constexpr, TILE: tl.constexpr):
     """The body of ``_topk_select_v3_kernel`` for one row."""
     SEG: tl.constexpr = CAP // PROGS
     LANES: tl.constexpr = 128
@@ -431,7 +466,9 @@ def _select_v3_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
             _select_v3(whole.to(tl.int32), (whole >> 32).to(tl.int32), full < counts[:, None], hist, cut, shift,
                        want, out_row, buf_keys, buf_pos, BITS, TIES)
         else:
-            _filter(row_ptr, 0, n, _key_to_float(cut), buf_keys, buf_pos, CAP, BLOCK)
+            start, _ = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
+            _gather_skewed(row_ptr, start, n, counts, seg_row, _key_to_float(cut), buf_keys, buf_pos, SEG, PROGS,
+                           TILE, CAP, BLOCK)
             tl.debug_barrier()  # the buffer was written by other threads of this program
             j = tl.arange(0, CAP // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :]
             live = j < total
@@ -553,7 +590,8 @@ def _launch_v3(logits, lens, starts, out, cfg, num_sms, window):
             return  # tests: the rows the Gluon select leaves stay unwritten
     _topk_select_v3_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
                                     buf_keys, buf_pos, stride, **window, BLOCK=cfg["BLOCK"], CAP=cap, BITS=RADIX_BITS,
-                                    TIES=cfg["TIES"], LOAD=load, num_warps=select_warps, **skip, **pdl, **common)
+                                    TIES=cfg["TIES"], LOAD=load, TILE=32 * vec, num_warps=select_warps, **skip, **pdl,
+                                    **common)
 
 
 def select_kernel(config: dict, logits: torch.Tensor, k: int) -> str:
