@@ -127,7 +127,7 @@ def branch_rows(k, width, samples):
 @pytest.mark.parametrize("algo,extra", [("v1", {}), ("v2", {"STREAMS": 1}), ("v2", {"STREAMS": 4}),
                                         ("v2", {"STREAMS": 8}), ("v3", {"V": 1, "TIES": 8}),
                                         ("v3", {"V": 2, "TIES": 32}), ("v3", {"V": 2, "LOAD": 8}),
-                                        ("v3", {"V": 4, "LOAD": 128})])
+                                        ("v3", {"V": 4, "LOAD": 128}), ("v3", {"V": 2, "AHEAD": 2})])
 def test_every_kernel_branch_with_small_buffers(algo, extra):
     """Short rows (n < k, n == k, k - 1), the direct radix, the sampled cut-off, both
     fallbacks (too many candidates: ties; too few: the largest values sit exactly on the
