@@ -53,9 +53,9 @@ def run_sweep(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.T
 
 def select_kernel(logits: torch.Tensor, k: int) -> str:
     """Which v3 select step runs first on these rows with the default settings: "gluon" or "triton"."""
-    from dsacache.ops.topk.triton_kernels import TOPK_CONFIG, select_kernel as which
+    from dsacache.ops.topk import triton_kernels
 
-    return which(TOPK_CONFIG, logits, k)
+    return triton_kernels.select_kernel(triton_kernels.TOPK_CONFIG, logits, k)
 
 
 def kernel_times_us(fn, reps: int = 20) -> dict[str, float]:
