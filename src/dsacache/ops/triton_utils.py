@@ -35,6 +35,15 @@ def sm_count(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def l2_cache_bytes(device: torch.device) -> int | None:
+    """L2 cache size of a CUDA device (None elsewhere), for launchers that pick a tiling by whether
+    their inputs stay in L2."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
 def check_launch(condition: bool, what: str) -> None:
     """A launcher's precondition on strides/dtypes: ``ValueError`` naming it (asserts vanish under -O)."""
     if not condition:

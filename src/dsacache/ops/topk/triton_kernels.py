@@ -49,7 +49,7 @@ from dsacache.ops.topk.triton_common import (
     _topk_cutoff_kernel,
 )
 from dsacache.ops.topk.triton_v1_v2 import _launch_v1, _launch_v2
-from dsacache.ops.triton_utils import INTERPRET, check_launch, loop_bound, sm_count
+from dsacache.ops.triton_utils import INTERPRET, check_launch, l2_cache_bytes, loop_bound, sm_count
 
 if not INTERPRET:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -544,10 +544,8 @@ def _filter_tiles(cfg: dict, logits: torch.Tensor) -> tuple[int, int]:
     from DRAM) 4-wide tiles with two loaded ahead, else 8-wide tiles with one. H200, B = 256,
     L = 128K (134 MB): 81.3 -> 74.6 us; on L2-resident rows (B = 64, L = 128K) the 8-wide tiles
     are faster (25.6 against 26.9 us)."""
-    streamed = False
-    if logits.is_cuda and (cfg["V"] is None or cfg["AHEAD"] is None):
-        l2_bytes = torch.cuda.get_device_properties(logits.device).L2_cache_size
-        streamed = logits.shape[0] * logits.stride(0) * logits.element_size() > l2_bytes
+    l2_bytes = l2_cache_bytes(logits.device)
+    streamed = l2_bytes is not None and logits.shape[0] * logits.stride(0) * logits.element_size() > l2_bytes
     vec = cfg["V"] or (4 if streamed else 8)
     ahead = cfg["AHEAD"] or (2 if streamed else 1)
     check_launch(ahead in (1, 2), f"v3: AHEAD is 1 or 2, not {ahead}")
