@@ -452,51 +452,73 @@ def _load_key_pairs(k_ptr, slot_ptr, offs_t, pair, num_tokens, stride_kt, STREAM
 
 
 @triton.jit
+def _norm_store_mxfp4_tile(
+    bits, slot, pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even, b_odd,
+    D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
+    FINITE: tl.constexpr,
+):
+    """One tile of :func:`_norm_store_mxfp4_loop_kernel`: keys as bf16 pairs ``[G, T, 4, 4]`` and
+    their slots ``[T]`` (-1 or past the pool: skipped) -> LayerNorm, encode, store."""
+    offs_g = tl.arange(0, D // 32)
+    even = (bits << 16).to(tl.float32, bitcast=True)
+    odd = (bits & -65536).to(tl.float32, bitcast=True)
+    valid = (slot >= 0) & (slot < num_slots)
+    mean = (_row_sum(even + odd) / D)[None, :, None, None]
+    even = even - mean
+    odd = odd - mean
+    var = _row_sum(even * even + odd * odd) / D
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))[None, :, None, None]
+    even = even * rstd * w_even + b_even
+    odd = odd * rstd * w_odd + b_odd
+    exp, v_even, v_odd = _mxfp4_norm_codes(even, odd, True, INTERPRET, FINITE)
+    words = _pack_e2m1_words(v_even, v_odd, even, odd, INTERPRET)                   # [G, BLOCK_T, 4]
+    slot32 = slot.to(tl.int32).to(tl.uint32, bitcast=True)
+    page_ptr = pages_ptr + (slot32 // PAGE).to(tl.int64) * page_stride
+    row = (slot32 % PAGE).to(tl.int32)
+    word_ptr = (page_ptr + row * (D // 2)).to(tl.pointer_type(tl.int32))[None, :, None]
+    offs_w = offs_g[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]
+    tl.store(word_ptr + offs_w, words, mask=valid[None, :, None], eviction_policy=STREAM)
+    # Each thread stores its group's scale byte: a token's 4 bytes leave in one instruction
+    # (same sectors as one 32-bit store, without the shared-memory gather and its barrier).
+    scale_ptr = page_ptr + PAGE * (D // 2) + row * (D // 32)
+    tl.store(scale_ptr[None, :] + offs_g[:, None], (exp + 127).to(tl.uint8), mask=valid[None, :],
+             eviction_policy=KEEP)
+
+
+@triton.jit
 def _norm_store_mxfp4_tiles(
     k_ptr, slot_ptr, pages_ptr, num_tokens, num_slots, stride_kt, page_stride, eps,
     w_even, w_odd, b_even, b_odd, pair,
     D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr,
     STREAM: tl.constexpr, KEEP: tl.constexpr, PREFETCH: tl.constexpr, FINITE: tl.constexpr,
 ):
-    """The tile loop of :func:`_norm_store_mxfp4_loop_kernel` (tiles program_id, + programs, ...)."""
+    """The tile loop of :func:`_norm_store_mxfp4_loop_kernel` (tiles program_id, + programs, ...).
+
+    With ``PREFETCH`` the loop is unrolled by two, tiles a and b: b's keys load while a is
+    computed and the next a's while b is, so each load lands in registers that just went
+    free (a loop-carried "next tile" needs ~30 register moves a tile; H200, 1M tokens:
+    125.1 -> 122.2 us). Past the last tile the loads are masked off and the slots are -1,
+    so an odd tile count needs no tail.
+    """
     offs_tt = tl.arange(0, BLOCK_T)
-    offs_g = tl.arange(0, D // 32)
     tile = loop_bound(tl.program_id(0))
     step = loop_bound(tl.num_programs(0))
+    num_tiles = loop_bound(tl.cdiv(num_tokens, BLOCK_T))
+    params = (pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even, b_odd)
     if PREFETCH:
-        bits, slot = _load_key_pairs(k_ptr, slot_ptr, tile * BLOCK_T + offs_tt, pair, num_tokens, stride_kt, STREAM)
-    for t in range(tile, loop_bound(tl.cdiv(num_tokens, BLOCK_T)), step):
-        offs_t = t * BLOCK_T + offs_tt
-        if PREFETCH:
-            next_bits, next_slot = _load_key_pairs(k_ptr, slot_ptr, offs_t + step * BLOCK_T, pair, num_tokens,
-                                                   stride_kt, STREAM)
-        else:
-            bits, slot = _load_key_pairs(k_ptr, slot_ptr, offs_t, pair, num_tokens, stride_kt, STREAM)
-        even = (bits << 16).to(tl.float32, bitcast=True)
-        odd = (bits & -65536).to(tl.float32, bitcast=True)
-        valid = (slot >= 0) & (slot < num_slots)
-        mean = (_row_sum(even + odd) / D)[None, :, None, None]
-        even = even - mean
-        odd = odd - mean
-        var = _row_sum(even * even + odd * odd) / D
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))[None, :, None, None]
-        even = even * rstd * w_even + b_even
-        odd = odd * rstd * w_odd + b_odd
-        exp, v_even, v_odd = _mxfp4_norm_codes(even, odd, True, INTERPRET, FINITE)
-        words = _pack_e2m1_words(v_even, v_odd, even, odd, INTERPRET)                   # [G, BLOCK_T, 4]
-        slot32 = slot.to(tl.int32).to(tl.uint32, bitcast=True)
-        page_ptr = pages_ptr + (slot32 // PAGE).to(tl.int64) * page_stride
-        row = (slot32 % PAGE).to(tl.int32)
-        word_ptr = (page_ptr + row * (D // 2)).to(tl.pointer_type(tl.int32))[None, :, None]
-        offs_w = offs_g[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]
-        tl.store(word_ptr + offs_w, words, mask=valid[None, :, None], eviction_policy=STREAM)
-        # Each thread stores its group's scale byte: a token's 4 bytes leave in one instruction
-        # (same sectors as one 32-bit store, without the shared-memory gather and its barrier).
-        scale_ptr = page_ptr + PAGE * (D // 2) + row * (D // 32)
-        tl.store(scale_ptr[None, :] + offs_g[:, None], (exp + 127).to(tl.uint8), mask=valid[None, :],
-                 eviction_policy=KEEP)
-        if PREFETCH:
-            bits, slot = next_bits, next_slot
+        bits_a, slot_a = _load_key_pairs(k_ptr, slot_ptr, tile * BLOCK_T + offs_tt, pair, num_tokens, stride_kt,
+                                         STREAM)
+        for t in range(tile, num_tiles, loop_bound(2 * step)):
+            bits_b, slot_b = _load_key_pairs(k_ptr, slot_ptr, (t + step) * BLOCK_T + offs_tt, pair, num_tokens,
+                                             stride_kt, STREAM)
+            _norm_store_mxfp4_tile(bits_a, slot_a, *params, D, PAGE, INTERPRET, STREAM, KEEP, FINITE)
+            bits_a, slot_a = _load_key_pairs(k_ptr, slot_ptr, (t + 2 * step) * BLOCK_T + offs_tt, pair, num_tokens,
+                                             stride_kt, STREAM)
+            _norm_store_mxfp4_tile(bits_b, slot_b, *params, D, PAGE, INTERPRET, STREAM, KEEP, FINITE)
+    else:
+        for t in range(tile, num_tiles, step):
+            bits, slot = _load_key_pairs(k_ptr, slot_ptr, t * BLOCK_T + offs_tt, pair, num_tokens, stride_kt, STREAM)
+            _norm_store_mxfp4_tile(bits, slot, *params, D, PAGE, INTERPRET, STREAM, KEEP, FINITE)
 
 
 @triton.jit
