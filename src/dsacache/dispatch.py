@@ -9,6 +9,8 @@ cannot run raises.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 IMPLS = ("auto", "triton", "torch")
@@ -19,6 +21,12 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET`` set to 1, true or on,
+    the values Triton itself accepts; it reads the variable when ``triton`` is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
 
 def use_triton(impl: str, *tensors: torch.Tensor) -> bool:
@@ -35,4 +43,8 @@ def use_triton(impl: str, *tensors: torch.Tensor) -> bool:
         if impl == "triton":
             raise
         return False
+    if not all(t.is_cuda for t in tensors) and not interpreting():
+        # Only a forced "triton" gets here: compiled kernels cannot read host memory.
+        raise ValueError("impl='triton' with CPU tensors needs the Triton interpreter (TRITON_INTERPRET=1 "
+                         "before triton is imported); use impl='auto' or 'torch', or CUDA tensors")
     return True

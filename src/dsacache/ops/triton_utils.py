@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from dsacache.dispatch import interpreting
+
 #: True when kernels run under the Triton interpreter (CPU tests, ``TRITON_INTERPRET=1``).
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRET = tl.constexpr(interpreting())
 
 
 @triton.jit

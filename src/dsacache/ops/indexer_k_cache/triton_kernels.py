@@ -8,12 +8,11 @@ in :mod:`dsacache.formats.indexer_key`, so scales and MXFP4 codes are bit-identi
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from dsacache.dispatch import interpreting
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE, MXFP4_GROUP_SIZE
 from dsacache.ops.triton_utils import loop_bound, sm_count
 
@@ -560,10 +559,6 @@ def _norm_store_mxfp4_loop_kernel(
         _norm_store_mxfp4_tiles(*args, D, PAGE, INTERPRET, BLOCK_T, STREAM, KEEP, PREFETCH, False)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _tokens_per_program(num_tokens: int, block: int) -> int:
     return max(1, min(triton.next_power_of_2(num_tokens), _ELEMENTS_PER_PROGRAM // block, 64))
 
@@ -596,7 +591,7 @@ def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tenso
         block_d = triton.next_power_of_2(head_dim)
         block_t = tokens_per_program or _tokens_per_program(num_tokens, block_d)
         _store_fp8_kernel[(triton.cdiv(num_tokens, block_t),)](
-            *args, D=head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, INTERPRET=_interpreted(),
+            *args, D=head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, INTERPRET=interpreting(),
             BLOCK_T=block_t, BLOCK_D=block_d, HINTS=hints, num_warps=num_warps)
         return
     pairs = k.dtype == torch.bfloat16 and k.stride(1) == 1 and k.stride(0) % 2 == 0 and k.data_ptr() % 4 == 0
@@ -618,7 +613,7 @@ def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tenso
             return
         encode = 1
     _store_mxfp4_kernel[(triton.cdiv(num_tokens, block_t),)](
-        *args, D=head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, PAIRS=pairs, NORM_PAIRS=norm_pairs, INTERPRET=_interpreted(),
+        *args, D=head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, PAIRS=pairs, NORM_PAIRS=norm_pairs, INTERPRET=interpreting(),
         BLOCK_T=block_t, BLOCK_G=block_g, HINTS=hints, ENCODE=encode,
         EXACT=norm or k.dtype == torch.float32, num_warps=num_warps)
 
@@ -636,7 +631,7 @@ def launch_norm_mxfp4_loop(k: torch.Tensor, pages: torch.Tensor, slot_mapping: t
     _norm_store_mxfp4_loop_kernel[grid](
         k, weight, bias, slot_mapping, pages,
         num_tokens, pages.shape[0] * KERNEL_PAGE_SIZE, k.stride(0), pages.stride(0), float(eps),
-        D=head_dim, PAGE=KERNEL_PAGE_SIZE, INTERPRET=_interpreted(), BLOCK_T=tokens_per_tile,
+        D=head_dim, PAGE=KERNEL_PAGE_SIZE, INTERPRET=interpreting(), BLOCK_T=tokens_per_tile,
         HINTS=hints, PREFETCH=prefetch, FAST=fast, num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
