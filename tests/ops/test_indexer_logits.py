@@ -1,6 +1,11 @@
 """Indexer logits: Triton (interpreter on CPU, compiled on CUDA) against the PyTorch reference,
 the reference against closed-form values, and the masking rules of ``paged_decode_logits``."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -331,3 +336,69 @@ def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads):
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "mxfp4")
     for out in outs.values():
         assert_close_to_reference(out, ref, "mxfp4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,next_n", [(16, 1), (32, 1), (32, 2), (32, 3), (32, 4), (64, 1), (64, 2), (64, 3),
+                                          (64, 4), (128, 1), (128, 2)])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fp8_gluon_decode_matches_reference(heads, next_n, per_row):
+    """The Gluon FP8 decode (TMA-fed pages), forced at every next_n: the reference and the Triton
+    kernel, -1 and out-of-range pages (also one far past the pool), ragged per-row lengths,
+    lengths 1, 64, 65 and a partial last program; by default it runs from next_n = 2 on."""
+    from dsacache.ops.indexer_logits.triton_kernels import decode_kernel, launch_paged_decode
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon FP8 decode is built for Hopper")
+    batch, num_pages, max_model_len = 5, 400, 9000
+    pool, pages = make_pool("fp8", num_pages, device="cuda")
+    values, scales = views("fp8", pages)
+    q, w = random_queries(batch, next_n, heads, device="cuda")
+    table = torch.randint(0, num_pages, (batch, 141), dtype=torch.int32, device="cuda")
+    table[0, 0], table[3, 100], table[2, 5] = -1, num_pages, 10**6
+    if per_row:
+        lens = torch.randint(0, max_model_len + 1, (batch, next_n), dtype=torch.int32, device="cuda")
+        lens[0, 0], lens[1, -1] = 1, 65
+    else:
+        lens = torch.tensor([1, 64, 65, 8191, 9000], dtype=torch.int32, device="cuda")
+    gluon = {"fp8_kernel": "gluon"}
+    assert decode_kernel(q, values, False, gluon) == "gluon"
+    assert decode_kernel(q, values, False) == ("gluon" if next_n > 1 else "triton")
+    before = pool.clone()
+    ref = decode("torch", q, w, lens, pages, table, max_model_len, "fp8")
+    for config in (gluon, {"fp8_kernel": "triton"}):
+        out = torch.full((batch * next_n, max_model_len), float("nan"), device="cuda")
+        launch_paged_decode(q, w, lens, values, scales, table, out, False, config)
+        assert not torch.isnan(out).any(), "unwritten (NaN) logits"
+        assert_close_to_reference(out, ref, "fp8")
+    assert torch.equal(pool, before)
+
+
+def test_fp8_gluon_decode_compiles_for_hopper():
+    """The Gluon FP8 decode builds for sm_90 on any machine (ptxas ships with Triton) at the
+    shapes it is chosen for; in a fresh interpreter, as this process runs Triton interpreted."""
+    pytest.importorskip("triton.experimental.gluon")
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from dsacache.ops.indexer_logits.gluon_kernels import paged_decode_fp8_kernel as kernel
+
+desc = "tensordesc<fp8e4nv[1, 64, 128],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)>"
+for heads, next_n, rows in ((64, 2, 2), (32, 3, 4), (128, 2, 2)):
+    signature = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", lens_ptr="*i32", k_desc=desc, scales_ptr="*fp32",
+                     bt_ptr="*i32", out_ptr="*fp32", num_pages="i32", max_blocks="i32", bt_stride="i32",
+                     scale_stride="i32", max_model_len="i32", out_stride="i32")
+    constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=True, TILES=32, STAGES=4)
+    signature.update({name: "constexpr" for name in constants})
+    compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4})
+    assert "cp.async.bulk.tensor" in compiled.asm["ptx"] and "wgmma" in compiled.asm["ptx"] and compiled.asm["cubin"]
+print("built")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "built" in done.stdout

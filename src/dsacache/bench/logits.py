@@ -161,10 +161,10 @@ def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, decode
     elif (ctx, heads) in fp8_ms:
         extra["speedup_vs_fp8"] = f"{fp8_ms[(ctx, heads)] / ms:.2f}x"
     shape = f"{fmt} B={args.batch} ctx={ctx} H={heads} next_n={args.next_n}" + (f" decode={decode}" if decode else "")
-    if fmt == "mxfp4":
-        from dsacache.ops.indexer_logits.triton_kernels import decode_kernel
+    from dsacache.ops.indexer_logits.triton_kernels import decode_kernel
 
-        extra["kernel"] = decode_kernel(inputs[0], mxfp4_page_views(inputs[3], HEAD_DIM)[0], True)
+    views = (mxfp4_page_views if fmt == "mxfp4" else fp8_page_views)(inputs[3], HEAD_DIM)
+    extra["kernel"] = decode_kernel(inputs[0], views[0], fmt == "mxfp4")
     return BenchRow("paged_decode_logits", shape, ms, nbytes, args.ceiling_gbps, extra)
 
 

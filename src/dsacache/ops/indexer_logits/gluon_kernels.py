@@ -1,6 +1,7 @@
-"""Paged decode logits over MXFP4 keys as a Gluon kernel (Hopper, one query row a request).
+"""Paged decode logits as Gluon kernels for Hopper: MXFP4 keys with one query row a request
+(``paged_decode_mxfp4_kernel``), FP8 keys with 1-4 query rows (``paged_decode_fp8_kernel``).
 
-The same math as ``_paged_decode_kernel`` with its "table" decode (see ``triton_kernels``),
+MXFP4: the same math as ``_paged_decode_kernel`` with its "table" decode (see ``triton_kernels``),
 written with explicit layouts so that nothing moves through shared memory but the queries:
 
 * each thread loads the packed words it decodes straight into registers, in the order the
@@ -18,7 +19,15 @@ One difference from the Triton kernel: a token whose four group scales are all 2
 under 2**-124) scores 0 instead of its tiny value. Loads of a page that is never scored, or
 scores -inf, are left undefined (no zero fill).
 
-Selected with ``MXFP4_DECODE_CONFIG["kernel"] = "gluon"`` (the default); the CPU interpreter,
+FP8 (``paged_decode_fp8_kernel``): the keys need no decode, so they go from the pool to shared
+memory by TMA, in a ring of pages started ahead (a descriptor over the layer's pages; a -1 or
+out-of-range block-table entry is fetched at a page index past the tensor, which reads nothing
+and fills zeros), and the wgmma reads them there. All query rows of a request share one product
+of N = rows x H columns, so each page is read once for all of them; its per-row sums over the
+heads are a reshape and a reduction of the accumulator. Selected per next_n by
+``DECODE_CONFIG["fp8_kernel"]`` (next_n 2-4 by default).
+
+MXFP4 is selected with ``MXFP4_DECODE_CONFIG["kernel"] = "gluon"`` (the default); the CPU interpreter,
 other GPUs, next_n > 1 and ``"kernel": "triton"`` use ``_paged_decode_kernel``. H200, B = 64,
 128K, next_n = 1: 248 -> 213 us at H = 32, 318 -> 267 us at H = 64 (SASS loop body per 64-token
 page and warp: 279 -> 236 instructions, 140 -> 95 on the integer pipe, H = 32).
@@ -28,7 +37,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from dsacache.ops.indexer_logits.triton_kernels import group_tables_ptx, table_lookup_ptx
 
@@ -189,3 +204,127 @@ def paged_decode_mxfp4_kernel(
     for t in range(num_scored, TILES):
         cols = t * PAGE + tok
         gl.store(out_row + cols, blank, mask=cols < max_model_len - col0)
+
+
+@gluon.jit
+def _row_sums(x, ROWS: gl.constexpr, H: gl.constexpr):
+    """[64, ROWS * H] -> [64, ROWS]: each query row's sum over its heads."""
+    return gl.sum(gl.reshape(x, [64, ROWS, H]), axis=2)
+
+
+@gluon.jit
+def _per_row(x, ROWS: gl.constexpr, H: gl.constexpr):
+    """[64, ROWS * H] int32, constant over each query row's heads -> [64, ROWS] in the layout of
+    ``_row_sums``."""
+    return gl.max(gl.reshape(x, [64, ROWS, H]), axis=2)
+
+
+@gluon.jit
+def _fetch_page(k_desc, bt_row, blk, live, max_blocks, num_pages, bar, dest):
+    """Start the TMA copy of block ``blk``'s key page into ``dest`` (arriving on ``bar``) when
+    ``live``. An entry that is -1, past the table or past the pool is fetched at page
+    ``num_pages``: outside the tensor, so the copy reads nothing and fills zeros."""
+    page = gl.load(bt_row + blk, mask=live & (blk < max_blocks), other=-1)
+    page = gl.where((page >= 0) & (page < num_pages), page, num_pages)
+    mbarrier.expect(bar, 64 * 128, pred=live)
+    tma.async_copy_global_to_shared(k_desc, [page, 0, 0], bar, dest, pred=live)
+
+
+@gluon.jit
+def paged_decode_fp8_kernel(
+    q_ptr,            # [B * NEXT_N * H, D] e4m3, D = 128
+    w_ptr,            # [B * NEXT_N, H] fp32
+    lens_ptr,         # [B, NEXT_N] int32 (PER_ROW) or [B] int32; clamped here to [0, max_model_len]
+    k_desc,           # TMA descriptor of the key values [P, 64, 128] e4m3, block [1, 64, 128]
+    scales_ptr,       # [P, 64] fp32 (page stride scale_stride, in floats)
+    bt_ptr,           # [B, max_blocks] int32
+    out_ptr,          # [B * NEXT_N, max_model_len] fp32
+    num_pages, max_blocks, bt_stride, scale_stride, max_model_len, out_stride,
+    NEXT_N: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr, TILES: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    D: gl.constexpr = 128
+    PAGE: gl.constexpr = 64
+    N: gl.constexpr = ROWS * H
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
+    COLS: gl.constexpr = gl.SliceLayout(0, MMA)
+    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+
+    b = gl.program_id(1)
+    col0 = gl.program_id(0) * (TILES * PAGE)
+    bt_row = bt_ptr + b * bt_stride
+    blk0 = col0 // PAGE
+
+    # Per column: relu(x) * w = (x + |x|) * (w / 2); per query row: its clamped length.
+    ncol = gl.arange(0, N, layout=COLS)
+    row_of_col = ncol // H
+    if PER_ROW:
+        len_col = gl.load(lens_ptr + b * NEXT_N + row_of_col, mask=row_of_col < NEXT_N, other=0)
+    else:  # one length a request: row r sees ctx - NEXT_N + r + 1 positions
+        len_col = gl.load(lens_ptr + b + 0 * row_of_col) - NEXT_N + row_of_col + 1
+    len_col = gl.where(row_of_col < NEXT_N, gl.minimum(gl.maximum(len_col, 0), max_model_len), 0)
+    longest = gl.max(len_col, axis=0)
+    num_scored = gl.minimum(gl.maximum(gl.cdiv(longest - col0, PAGE), 0), TILES)
+
+    # The key ring: the first STAGES pages start loading before anything else.
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, PAGE, D], k_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    for s in gl.static_range(STAGES):
+        _fetch_page(k_desc, bt_row, blk0 + s, s < num_scored, max_blocks, num_pages, bars.index(s), k_smem.index(s))
+
+    # Queries [N, D] (row n: query row n // H, head n % H; rows past NEXT_N zero) as the B operand.
+    n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
+    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
+    w = gl.load(w_ptr + b * NEXT_N * H + ncol, mask=ncol < NEXT_N * H, other=0.0) * 0.5
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # Per-row values in the layout of the per-row sums.
+    zero = gl.zeros([PAGE, N], gl.int32, MMA)
+    tok2 = _per_row(zero + gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))[:, None], ROWS, H)
+    row2 = _per_row(zero + row_of_col[None, :], ROWS, H)
+    len2 = _per_row(zero + len_col[None, :], ROWS, H)
+    R: gl.constexpr = tok2.type.layout
+    tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, R))
+    out_rows = out_ptr + (b * NEXT_N + row2).to(gl.int64) * out_stride + col0 + tok2
+    row_ok = row2 < NEXT_N
+    acc0 = gl.zeros([PAGE, N], gl.float32, MMA)
+
+    page = gl.load(bt_row + blk0, mask=(num_scored > 0) & (blk0 < max_blocks), other=-1)
+    ok_next = (page >= 0) & (page < num_pages)
+    scales_next = gl.load(scales_ptr + gl.where(ok_next, page, 0).to(gl.int64) * scale_stride + tok, mask=ok_next)
+    for t in range(num_scored):
+        slot = t % STAGES
+        scales = scales_next
+        ok = ok_next
+        page = gl.load(bt_row + blk0 + t + 1, mask=(t + 1 < num_scored) & (blk0 + t + 1 < max_blocks), other=-1)
+        ok_next = (page >= 0) & (page < num_pages)
+        scales_next = gl.load(scales_ptr + gl.where(ok_next, page, 0).to(gl.int64) * scale_stride + tok,
+                              mask=ok_next)
+
+        mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
+        keys = k_smem.index(slot).reshape([PAGE, D])
+        acc = warpgroup_mma(keys, q_smem.permute((1, 0)), acc0, use_acc=False, is_async=True)
+        acc, keys = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keys))
+        # Every warp is past its wgmma, so the slot is free for the page STAGES ahead.
+        gl.thread_barrier()
+        _fetch_page(k_desc, bt_row, blk0 + t + STAGES, t + STAGES < num_scored, max_blocks, num_pages,
+                    bars.index(slot), k_smem.index(slot))
+
+        scores = _row_sums((acc + gl.abs(acc)) * w[None, :], ROWS, H) * scales[:, None]
+        # Per query row: the tokens of this page it sees (none if the page is unreadable).
+        seen = gl.where(ok, len2 - col0 - t * PAGE, 0)
+        scores = gl.where(tok2 < seen, scores, float("-inf"))
+        gl.store(out_rows + t * PAGE, scores, mask=row_ok & (tok2 < max_model_len - col0 - t * PAGE))
+
+    blank = gl.full([PAGE, ROWS], float("-inf"), gl.float32, R)
+    for t in range(num_scored, TILES):
+        gl.store(out_rows + t * PAGE, blank, mask=row_ok & (tok2 < max_model_len - col0 - t * PAGE))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))

@@ -52,8 +52,15 @@ PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
 #: heads for which each query row gets its own product (N = H) instead of one of N = next_n * H:
 #: H200, 128K, next_n = 2, H = 64: 556 -> 481 us; slower at H = 32 and at next_n = 4
 #: (docs/bench-results/2026-11-29-h200-pm/logits_split_rows_probe.log).
+#: ``fp8_kernel`` (next_n -> "gluon" or "triton"): FP8 keys with several query rows a request run
+#: ``gluon_kernels.paged_decode_fp8_kernel`` on Hopper (TMA-fed key pages, ``fp8_stages`` deep,
+#: ``fp8_gluon_tiles`` pages a program). H200, B=64, 128K: next_n = 2, H = 64 478 -> 352 us,
+#: H = 32 359 -> 295 us; next_n = 4, H = 64 985 -> 682 us. At next_n = 1 it was even with this
+#: module's kernel (97 % / 94-95 % of the copy ceiling both) and slower at 32K, H = 64, so that
+#: one stays (docs/bench-results/2026-11-29-h200-stop11/fp8_tma_probe.log).
 DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 8, "num_warps": 4, "num_stages": 2, "maxnreg": 64, "maxnreg_rows": 96,
-                 "maxnreg_cols": 64, "split_rows": {2: 64}, "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
+                 "maxnreg_cols": 64, "split_rows": {2: 64}, "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table",
+                 "fp8_kernel": {2: "gluon", 3: "gluon", 4: "gluon"}, "fp8_gluon_tiles": 32, "fp8_stages": 4}
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own; the table decode keeps its keys
 #: in registers only while the tile is 16 * num_warps tokens). The register cap helps at H = 32
 #: (256 -> 248 us) and hurts at H = 64 (319 -> 348 us). ``kernel``: "gluon" runs
@@ -507,10 +514,51 @@ def _gluon_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor) -> bool:
             and num_heads in (16, 32, 64, 128) and _table_decode(cfg, values))
 
 
+def _gluon_fp8_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether an FP8 launch runs the Gluon kernel (``gluon_kernels.paged_decode_fp8_kernel``):
+    ``cfg["fp8_kernel"]`` says so for this next_n, a Hopper GPU, D = 128, 16-128 heads, at most 256
+    product columns (next_n rounded up to a power of two, times H), 16-byte aligned key pages."""
+    if next_n_kernel(cfg.get("fp8_kernel"), q.shape[1]) != "gluon" or not PTX_AVAILABLE or not q.is_cuda:
+        return False
+    batch, next_n, num_heads, head_dim = q.shape
+    return (torch.cuda.get_device_capability(q.device)[0] == 9 and head_dim == 128
+            and num_heads in (16, 32, 64, 128) and triton.next_power_of_2(next_n) * num_heads <= 256
+            and values.data_ptr() % 16 == 0 and values.stride(0) % 16 == 0)
+
+
+def _launch_gluon_fp8_decode(cfg, q, weights, context_lens, values, scales, block_table, out) -> None:
+    """``gluon_kernels.paged_decode_fp8_kernel``: key pages by TMA (a descriptor over the pool's
+    pages), ``fp8_gluon_tiles`` pages a program, a ring of ``fp8_stages`` pages."""
+    from triton.experimental.gluon.language import NVMMASharedLayout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from dsacache.ops.indexer_logits.gluon_kernels import paged_decode_fp8_kernel
+
+    batch, next_n, num_heads, head_dim = q.shape
+    max_model_len, tiles = out.shape[1], cfg["fp8_gluon_tiles"]
+    k_desc = TensorDescriptor(values, list(values.shape), list(values.stride()), [1, KERNEL_PAGE_SIZE, head_dim],
+                              NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
+    paged_decode_fp8_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
+        q, weights, context_lens, k_desc, scales, block_table, out,
+        values.shape[0], block_table.shape[1], block_table.stride(0), scales.stride(0), max_model_len, out.stride(0),
+        NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads, PER_ROW=context_lens.dim() == 2,
+        TILES=tiles, STAGES=cfg["fp8_stages"], num_warps=4,
+    )
+
+
+def next_n_kernel(choice, next_n: int) -> str:
+    """The kernel a config entry picks for next_n: a name, or a dict next_n -> name ("triton" if absent)."""
+    if isinstance(choice, dict):
+        return choice.get(next_n, "triton")
+    return choice or "triton"
+
+
 def decode_kernel(q: torch.Tensor, values: torch.Tensor, mxfp4: bool, config: dict | None = None) -> str:
     """Which kernel ``launch_paged_decode`` runs for these inputs: "gluon" or "triton" (for reports)."""
     cfg = {**DECODE_CONFIG, **(MXFP4_DECODE_CONFIG if mxfp4 else {}), **(config or {})}
-    return "gluon" if mxfp4 and _gluon_decode(cfg, q, values) else "triton"
+    if mxfp4:
+        return "gluon" if _gluon_decode(cfg, q, values) else "triton"
+    return "gluon" if _gluon_fp8_decode(cfg, q, values) else "triton"
 
 
 def launch_paged_decode(
@@ -549,6 +597,9 @@ def launch_paged_decode(
         )
         return
     rows = triton.next_power_of_2(next_n)
+    if not mxfp4 and _gluon_fp8_decode(cfg, q, values):
+        _launch_gluon_fp8_decode(cfg, q, weights, context_lens, values, scales, block_table, out)
+        return
     cap = cfg.get("maxnreg") if rows == 1 else cfg.get("maxnreg_rows")
     capped = cap and PTX_AVAILABLE and rows * num_heads <= cfg.get("maxnreg_cols", 0)
     extra = {"maxnreg": cap} if capped else {}
