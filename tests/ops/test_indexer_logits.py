@@ -309,9 +309,11 @@ def test_prefill_gpu_shapes(fmt, heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [32, 64])
-def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads):
-    """On Hopper the default MXFP4 decode (next_n = 1) is the Gluon kernel, not a silent fallback,
-    and it matches the Triton kernel and the reference, -1 and out-of-range pages included."""
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads, next_n):
+    """On Hopper the default MXFP4 decode is the Gluon kernel, not a silent fallback, at every
+    next_n; it matches the Triton kernel and the reference, -1 and out-of-range pages included,
+    with per-request (next_n = 1) and ragged per-row lengths."""
     from dsacache.ops.indexer_logits.triton_kernels import (
         DECODE_CONFIG,
         MXFP4_DECODE_CONFIG,
@@ -324,14 +326,17 @@ def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads):
     batch, num_pages, max_model_len = 6, 300, 9000
     pool, pages = make_pool("mxfp4", num_pages, device="cuda")
     values, scales = views("mxfp4", pages)
-    q, w = random_queries(batch, 1, heads, device="cuda")
+    q, w = random_queries(batch, next_n, heads, device="cuda")
     table = torch.randint(0, num_pages, (batch, 141), dtype=torch.int32, device="cuda")
     table[0, 0], table[3, 100] = -1, num_pages
     lens = torch.tensor([1, 64, 65, 8191, 9000, 130], dtype=torch.int32, device="cuda")
+    if next_n > 1:
+        lens = torch.randint(0, max_model_len + 1, (batch, next_n), dtype=torch.int32, device="cuda")
+        lens[0, 0], lens[1, -1], lens[2, 0] = 1, 65, max_model_len
     assert _gluon_decode({**DECODE_CONFIG, **MXFP4_DECODE_CONFIG}, q, values)
     outs = {}
     for kernel in ("gluon", "triton"):
-        outs[kernel] = torch.full((batch, max_model_len), float("nan"), device="cuda")
+        outs[kernel] = torch.full((batch * next_n, max_model_len), float("nan"), device="cuda")
         launch_paged_decode(q, w, lens, values, scales, table, outs[kernel], True, {"kernel": kernel})
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "mxfp4")
     for out in outs.values():

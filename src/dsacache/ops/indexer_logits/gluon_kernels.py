@@ -1,5 +1,5 @@
-"""Paged decode logits as Gluon kernels for Hopper: MXFP4 keys with one query row a request
-(``paged_decode_mxfp4_kernel``), FP8 keys with 1-4 query rows (``paged_decode_fp8_kernel``).
+"""Paged decode logits as Gluon kernels for Hopper, 1-4 query rows a request (next_n):
+MXFP4 keys (``paged_decode_mxfp4_kernel``) and FP8 keys (``paged_decode_fp8_kernel``).
 
 MXFP4: the same math as ``_paged_decode_kernel`` with its "table" decode (see ``triton_kernels``),
 written with explicit layouts so that nothing moves through shared memory but the queries:
@@ -27,10 +27,15 @@ of N = rows x H columns, so each page is read once for all of them; its per-row 
 heads are a reshape and a reduction of the accumulator. Selected per next_n by
 ``DECODE_CONFIG["fp8_kernel"]`` (next_n 2-4 by default).
 
+With several query rows the MXFP4 kernel scores them all in one product of N = rows x H
+columns and sums each row's heads as the FP8 kernel does; with one row it keeps a scalar length
+and row pointer (the [64, rows] bookkeeping costs ~26 registers at H = 64, one program an SM).
+
 MXFP4 is selected with ``MXFP4_DECODE_CONFIG["kernel"] = "gluon"`` (the default); the CPU interpreter,
-other GPUs, next_n > 1 and ``"kernel": "triton"`` use ``_paged_decode_kernel``. H200, B = 64,
-128K, next_n = 1: 248 -> 213 us at H = 32, 318 -> 267 us at H = 64 (SASS loop body per 64-token
-page and warp: 279 -> 236 instructions, 140 -> 95 on the integer pipe, H = 32).
+other GPUs and ``"kernel": "triton"`` use ``_paged_decode_kernel``. H200, B = 64, 128K, next_n = 1:
+248 -> 213 us at H = 32, 318 -> 267 us at H = 64 (SASS loop body per 64-token page and warp:
+279 -> 236 instructions, 140 -> 95 on the integer pipe, H = 32); next_n = 2: 386 -> 304 us at
+H = 32, 568 -> 402 us at H = 64.
 """
 
 from __future__ import annotations
@@ -118,43 +123,46 @@ def _decode(words, scale, KEYS: gl.constexpr, A: gl.constexpr):
 
 @gluon.jit
 def paged_decode_mxfp4_kernel(
-    q_ptr,            # [B, H, D] e4m3, D = 128
-    w_ptr,            # [B, H] fp32
-    lens_ptr,         # [B] int32 (clamped here to [0, max_model_len])
+    q_ptr,            # [B * NEXT_N * H, D] e4m3, D = 128
+    w_ptr,            # [B * NEXT_N, H] fp32
+    lens_ptr,         # [B, NEXT_N] int32 (PER_ROW) or [B] int32; clamped here to [0, max_model_len]
     values_ptr,       # [P, 64, 64] uint8 packed e2m1 (page stride page_stride)
     scales_ptr,       # [P, 64, 4] uint8 UE8M0 (page stride scale_stride)
     bt_ptr,           # [B, max_blocks] int32
-    out_ptr,          # [B, max_model_len] fp32
+    out_ptr,          # [B * NEXT_N, max_model_len] fp32
     num_pages, max_blocks, bt_stride, page_stride, scale_stride, max_model_len, out_stride,
-    H: gl.constexpr, TILES: gl.constexpr,
+    NEXT_N: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr, TILES: gl.constexpr,
 ):
     D: gl.constexpr = 128
     PAGE: gl.constexpr = 64
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 32])
+    N: gl.constexpr = ROWS * H
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     KEYS: gl.constexpr = _key_layout()
     WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, KEYS))          # [64, word, group]
     SCALES: gl.constexpr = gl.SliceLayout(1, WORDS)                           # [64, group]
-    ROW: gl.constexpr = gl.SliceLayout(1, MMA)                                # [64] scores
-    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])      # [H, D] queries
+    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])      # [N, D] queries
     QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
-    length = gl.minimum(gl.maximum(gl.load(lens_ptr + b), 0), max_model_len)
+    ncol = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+    len_col, longest = _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N, H, PER_ROW)
 
-    # Queries [H, D] in the key column order (_table_columns), as the B operand in shared memory.
-    h = gl.arange(0, H, layout=gl.SliceLayout(1, QL))
+    # Queries [N, D] in the key column order (_table_columns), as the B operand in shared memory
+    # (row n: query row n // H, head n % H; rows past NEXT_N zero).
+    n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
     col = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
     d = 32 * ((col // 4) % 4) + 8 * (col // 32) + 4 * ((col // 16) % 2) + col % 4
-    q = gl.load(q_ptr + b.to(gl.int64) * H * D + h[:, None] * D + d[None, :])
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [H, D], QS, q)
+    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
+    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
     fence_async_shared()
     gl.thread_barrier()
     # relu(x) * w = (x + |x|) * (w / 2); the 2**-6 of the token factor 2**(top - 133) is folded in too.
-    w = gl.load(w_ptr + b * H + gl.arange(0, H, layout=gl.SliceLayout(0, MMA))) * 0.0078125
+    w = gl.load(w_ptr + b * NEXT_N * H + ncol, mask=ncol < NEXT_N * H, other=0.0) * 0.0078125
 
-    num_scored = gl.minimum(gl.maximum(gl.cdiv(length - col0, PAGE), 0), TILES)
+    num_scored = gl.minimum(gl.maximum(gl.cdiv(longest - col0, PAGE), 0), TILES)
     # Per-thread offsets of the words and scales it loads, inside a page.
     WL: gl.constexpr = _word_load_layout()
     tok_w = gl.arange(0, PAGE, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
@@ -165,11 +173,19 @@ def paged_decode_mxfp4_kernel(
     group_s = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALES))
     scale_offs = tok_s[:, None] * 4 + group_s[None, :]
 
-    tok = gl.arange(0, PAGE, layout=ROW)
+    if ROWS == 1:
+        # One query row: scalar length and row pointer, scores in the accumulator's row layout
+        # (the [64, ROWS] tensors below cost ~26 registers at H = 64 and an SM program).
+        TOK: gl.constexpr = gl.SliceLayout(1, MMA)
+        tok = gl.arange(0, PAGE, layout=TOK)
+        out_row = out_ptr + b.to(gl.int64) * out_stride + col0
+    else:
+        tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, MMA, NEXT_N, ROWS,
+                                                    H)
+        TOK: gl.constexpr = gl.SliceLayout(1, tok2.type.layout)
     bt_row = bt_ptr + b * bt_stride
-    out_row = out_ptr + b.to(gl.int64) * out_stride + col0
     blk0 = col0 // PAGE
-    zero = gl.zeros([PAGE, H], gl.float32, MMA)
+    zero = gl.zeros([PAGE, N], gl.float32, MMA)
     page = gl.load(bt_row + blk0, mask=(num_scored > 0) & (blk0 < max_blocks), other=-1)
     ok_next = (page >= 0) & (page < num_pages)
     page = gl.where(ok_next, page, 0).to(gl.int64)
@@ -192,18 +208,24 @@ def paged_decode_mxfp4_kernel(
         keys, top = _decode(gl.convert_layout(words, WORDS), scales, KEYS, A)
         acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        scores = gl.sum((acc + gl.abs(acc)) * w[None, :], axis=1)
         # 2**(top - 127) from its bits (the 2**-6 is in w); top 0 gives 0 instead of 2**-127.
-        factor = gl.convert_layout((top << 23).to(gl.float32, bitcast=True), ROW)
-        # Scalar bounds: visible tokens of this page (0 if unreadable) and tokens inside out.
-        seen = gl.where(ok, length - col0 - t * PAGE, 0)
-        scores = gl.where(tok < seen, scores * factor, float("-inf"))
-        gl.store(out_row + t * PAGE + tok, scores, mask=tok < max_model_len - col0 - t * PAGE)
+        factor = gl.convert_layout((top << 23).to(gl.float32, bitcast=True), TOK)
+        if ROWS == 1:
+            scores = gl.sum((acc + gl.abs(acc)) * w[None, :], axis=1) * factor
+            # Scalar bounds: visible tokens of this page (0 if unreadable) and tokens inside out.
+            seen = gl.where(ok, longest - col0 - t * PAGE, 0)
+            scores = gl.where(tok < seen, scores, float("-inf"))
+            gl.store(out_row + t * PAGE + tok, scores, mask=tok < max_model_len - col0 - t * PAGE)
+        else:
+            scores = _row_sums((acc + gl.abs(acc)) * w[None, :], ROWS, H) * factor[:, None]
+            _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, t * PAGE, max_model_len)
 
-    blank = gl.full([PAGE], float("-inf"), gl.float32, ROW)
-    for t in range(num_scored, TILES):
-        cols = t * PAGE + tok
-        gl.store(out_row + cols, blank, mask=cols < max_model_len - col0)
+    if ROWS == 1:
+        blank = gl.full([PAGE], float("-inf"), gl.float32, TOK)
+        for t in range(num_scored, TILES):
+            gl.store(out_row + t * PAGE + tok, blank, mask=tok < max_model_len - col0 - t * PAGE)
+    else:
+        _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)
 
 
 @gluon.jit
@@ -217,6 +239,48 @@ def _per_row(x, ROWS: gl.constexpr, H: gl.constexpr):
     """[64, ROWS * H] int32, constant over each query row's heads -> [64, ROWS] in the layout of
     ``_row_sums``."""
     return gl.max(gl.reshape(x, [64, ROWS, H]), axis=2)
+
+
+@gluon.jit
+def _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr):
+    """(the clamped length of each product column's query row [N], the longest of them)."""
+    row_of_col = ncol // H
+    if PER_ROW:
+        len_col = gl.load(lens_ptr + b * NEXT_N + row_of_col, mask=row_of_col < NEXT_N, other=0)
+    else:  # one length a request: row r sees ctx - NEXT_N + r + 1 positions
+        len_col = gl.load(lens_ptr + b + 0 * row_of_col) - NEXT_N + row_of_col + 1
+    len_col = gl.where(row_of_col < NEXT_N, gl.minimum(gl.maximum(len_col, 0), max_model_len), 0)
+    return len_col, gl.max(len_col, axis=0)
+
+
+@gluon.jit
+def _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, MMA: gl.constexpr, NEXT_N: gl.constexpr,
+                 ROWS: gl.constexpr, H: gl.constexpr):
+    """[64 tokens, ROWS] tensors in the layout of ``_row_sums``: token index, row length, output
+    pointer at the program's first column, and whether the row exists (row < NEXT_N)."""
+    zero = gl.zeros([64, ROWS * H], gl.int32, MMA)
+    tok2 = _per_row(zero + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))[:, None], ROWS, H)
+    row2 = _per_row(zero + (ncol // H)[None, :], ROWS, H)
+    len2 = _per_row(zero + len_col[None, :], ROWS, H)
+    out_rows = out_ptr + (b * NEXT_N + row2).to(gl.int64) * out_stride + col0 + tok2
+    return tok2, len2, out_rows, row2 < NEXT_N
+
+
+@gluon.jit
+def _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, offset, max_model_len):
+    """Store a page's scores [64, ROWS] at the program's columns ``offset + token``: -inf where a
+    row does not see the token or the page was unreadable (``ok`` false), nothing past the row."""
+    seen = gl.where(ok, len2 - col0 - offset, 0)
+    scores = gl.where(tok2 < seen, scores, float("-inf"))
+    gl.store(out_rows + offset, scores, mask=row_ok & (tok2 < max_model_len - col0 - offset))
+
+
+@gluon.jit
+def _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES: gl.constexpr):
+    """-inf in the program's pages past the longest row (every program writes all its columns)."""
+    blank = gl.full(tok2.shape, float("-inf"), gl.float32, tok2.type.layout)
+    for t in range(num_scored, TILES):
+        gl.store(out_rows + t * 64, blank, mask=row_ok & (tok2 < max_model_len - col0 - t * 64))
 
 
 @gluon.jit
@@ -256,15 +320,8 @@ def paged_decode_fp8_kernel(
     bt_row = bt_ptr + b * bt_stride
     blk0 = col0 // PAGE
 
-    # Per column: relu(x) * w = (x + |x|) * (w / 2); per query row: its clamped length.
     ncol = gl.arange(0, N, layout=COLS)
-    row_of_col = ncol // H
-    if PER_ROW:
-        len_col = gl.load(lens_ptr + b * NEXT_N + row_of_col, mask=row_of_col < NEXT_N, other=0)
-    else:  # one length a request: row r sees ctx - NEXT_N + r + 1 positions
-        len_col = gl.load(lens_ptr + b + 0 * row_of_col) - NEXT_N + row_of_col + 1
-    len_col = gl.where(row_of_col < NEXT_N, gl.minimum(gl.maximum(len_col, 0), max_model_len), 0)
-    longest = gl.max(len_col, axis=0)
+    len_col, longest = _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N, H, PER_ROW)
     num_scored = gl.minimum(gl.maximum(gl.cdiv(longest - col0, PAGE), 0), TILES)
 
     # The key ring: the first STAGES pages start loading before anything else.
@@ -281,19 +338,13 @@ def paged_decode_fp8_kernel(
     q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
     q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
+    # relu(x) * w = (x + |x|) * (w / 2)
     w = gl.load(w_ptr + b * NEXT_N * H + ncol, mask=ncol < NEXT_N * H, other=0.0) * 0.5
     fence_async_shared()
     gl.thread_barrier()
 
-    # Per-row values in the layout of the per-row sums.
-    zero = gl.zeros([PAGE, N], gl.int32, MMA)
-    tok2 = _per_row(zero + gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))[:, None], ROWS, H)
-    row2 = _per_row(zero + row_of_col[None, :], ROWS, H)
-    len2 = _per_row(zero + len_col[None, :], ROWS, H)
-    R: gl.constexpr = tok2.type.layout
-    tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, R))
-    out_rows = out_ptr + (b * NEXT_N + row2).to(gl.int64) * out_stride + col0 + tok2
-    row_ok = row2 < NEXT_N
+    tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, MMA, NEXT_N, ROWS, H)
+    tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, tok2.type.layout))
     acc0 = gl.zeros([PAGE, N], gl.float32, MMA)
 
     page = gl.load(bt_row + blk0, mask=(num_scored > 0) & (blk0 < max_blocks), other=-1)
@@ -318,13 +369,8 @@ def paged_decode_fp8_kernel(
                     bars.index(slot), k_smem.index(slot))
 
         scores = _row_sums((acc + gl.abs(acc)) * w[None, :], ROWS, H) * scales[:, None]
-        # Per query row: the tokens of this page it sees (none if the page is unreadable).
-        seen = gl.where(ok, len2 - col0 - t * PAGE, 0)
-        scores = gl.where(tok2 < seen, scores, float("-inf"))
-        gl.store(out_rows + t * PAGE, scores, mask=row_ok & (tok2 < max_model_len - col0 - t * PAGE))
+        _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, t * PAGE, max_model_len)
 
-    blank = gl.full([PAGE, ROWS], float("-inf"), gl.float32, R)
-    for t in range(num_scored, TILES):
-        gl.store(out_rows + t * PAGE, blank, mask=row_ok & (tok2 < max_model_len - col0 - t * PAGE))
+    _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))

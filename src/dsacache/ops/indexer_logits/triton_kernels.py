@@ -506,12 +506,14 @@ def _split_rows(cfg: dict, next_n: int, num_heads: int) -> bool:
 
 def _gluon_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether an MXFP4 launch runs the Gluon kernel (``gluon_kernels``): ``cfg["kernel"]`` says
-    so, a Hopper GPU, one query row a request, D = 128, 16-128 heads, 4-byte aligned key rows."""
+    so, a Hopper GPU, D = 128, 16-128 heads, at most 256 product columns (next_n rounded up to a
+    power of two, times H), 4-byte aligned key rows."""
     if cfg.get("kernel", "triton") != "gluon" or not PTX_AVAILABLE or not q.is_cuda:
         return False
     batch, next_n, num_heads, head_dim = q.shape
-    return (torch.cuda.get_device_capability(q.device)[0] == 9 and next_n == 1 and head_dim == 128
-            and num_heads in (16, 32, 64, 128) and _table_decode(cfg, values))
+    return (torch.cuda.get_device_capability(q.device)[0] == 9 and head_dim == 128
+            and num_heads in (16, 32, 64, 128) and triton.next_power_of_2(next_n) * num_heads <= 256
+            and _table_decode(cfg, values))
 
 
 def _gluon_fp8_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor) -> bool:
@@ -593,7 +595,8 @@ def launch_paged_decode(
             q, weights, context_lens, values, scales, block_table, out,
             values.shape[0], block_table.shape[1], block_table.stride(0),
             values.stride(0), scales.stride(0), max_model_len, out.stride(0),
-            H=num_heads, TILES=cfg["TILES"], num_warps=4, **extra,
+            NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads, PER_ROW=context_lens.dim() == 2,
+            TILES=cfg["TILES"], num_warps=4, **extra,
         )
         return
     rows = triton.next_power_of_2(next_n)
