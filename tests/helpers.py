@@ -1,4 +1,9 @@
-"""Tolerance helpers shared by kernel tests."""
+"""Tolerance helpers shared by kernel tests, and a fresh interpreter for compile-only checks."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -29,3 +34,14 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def run_compiled_script(script: str) -> str:
+    """Run ``script`` in a fresh Python without ``TRITON_INTERPRET`` (the test process may run Triton
+    interpreted, where kernels cannot be compiled) and return its stdout; fail with its stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

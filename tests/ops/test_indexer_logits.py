@@ -1,10 +1,6 @@
 """Indexer logits: Triton (interpreter on CPU, compiled on CUDA) against the PyTorch reference,
 the reference against closed-form values, and the masking rules of ``paged_decode_logits``."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +13,7 @@ from dsacache.ops.indexer_logits import (
     prefill_row_chunks,
     ragged_prefill_logits,
 )
-from tests.helpers import calc_diff, triton_available
+from tests.helpers import calc_diff, run_compiled_script, triton_available
 
 D = 128
 SENTINEL = 0xA5
@@ -401,9 +397,4 @@ for heads, next_n, rows in ((64, 2, 2), (32, 3, 4), (128, 2, 2)):
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"] and "wgmma" in compiled.asm["ptx"] and compiled.asm["cubin"]
 print("built")
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "built" in done.stdout
+    assert "built" in run_compiled_script(script)

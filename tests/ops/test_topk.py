@@ -1,16 +1,11 @@
 """Top-k and positions -> slots: Triton (interpreter on CPU, compiled on CUDA) against the
 PyTorch reference, and both against torch.topk (as sets, never by raw order)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from dsacache.ops.topk import positions_to_slots, topk_indices
-from tests.helpers import triton_available
+from tests.helpers import run_compiled_script, triton_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="no triton"))]
@@ -374,9 +369,4 @@ compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=G
 assert "vote.sync.ballot.b32" in compiled.asm["ptx"] and compiled.asm["cubin"]
 print("built")
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "built" in done.stdout
+    assert "built" in run_compiled_script(script)
