@@ -2,7 +2,9 @@
 
 Each function validates its input, then runs the Triton kernel when the tensors are on
 CUDA (or when ``impl="triton"`` is forced, which under ``TRITON_INTERPRET=1`` also runs
-on CPU tensors) and the PyTorch reference in ``naive.py`` otherwise.
+on CPU tensors) and the PyTorch reference in ``naive.py`` otherwise. On Hopper the paged
+decode runs Gluon kernels where they apply (``gluon_kernels``: MXFP4 keys, and FP8 keys
+with 2-4 query rows; ``triton_kernels.decode_kernel`` says which one a call takes).
 """
 
 from __future__ import annotations
