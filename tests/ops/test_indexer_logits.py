@@ -19,9 +19,10 @@ D = 128
 SENTINEL = 0xA5
 #: calc-diff bounds the issue sets for logits against the reference, by key format.
 TOLERANCE = {"fp8": 1e-3, "mxfp4": 2e-2}
-#: What the kernels actually reach on the same quantized keys (only the fp32 summation
-#: order differs, and no MXFP4 group is dropped for Gaussian keys); far below TOLERANCE,
-#: so a wrong code in one e2m1 magnitude still fails.
+#: What the kernels actually reach on the same quantized keys (the Triton kernels differ in
+#: the fp32 summation order, ~1e-9; the Gluon decodes round relu(q.k) to bf16 for their
+#: head-sum wgmma, ~2e-7 at H = 32; no MXFP4 group is dropped for Gaussian keys); far below
+#: TOLERANCE, so a wrong code in one e2m1 magnitude still fails.
 STRICT = 1e-6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="no triton"))]
@@ -329,13 +330,37 @@ def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads, next_n):
     if next_n > 1:
         lens = torch.randint(0, max_model_len + 1, (batch, next_n), dtype=torch.int32, device="cuda")
         lens[0, 0], lens[1, -1], lens[2, 0] = 1, 65, max_model_len
-    assert _gluon_decode({**DECODE_CONFIG, **MXFP4_DECODE_CONFIG}, q, values)
+    assert _gluon_decode({**DECODE_CONFIG, **MXFP4_DECODE_CONFIG}, q, values, scales)
     outs = {}
     for kernel in ("gluon", "triton"):
         outs[kernel] = torch.full((batch * next_n, max_model_len), float("nan"), device="cuda")
         launch_paged_decode(q, w, lens, values, scales, table, outs[kernel], True, {"kernel": kernel})
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "mxfp4")
     for out in outs.values():
+        assert_close_to_reference(out, ref, "mxfp4")
+
+
+@pytest.mark.gpu
+def test_mxfp4_gluon_decode_needs_the_pool_page_layout():
+    """The Gluon MXFP4 kernel reads a page's scales right after its values; views that are not
+    cut from the same pages run the Triton kernel instead, with the same result."""
+    from dsacache.ops.indexer_logits.triton_kernels import decode_kernel, launch_paged_decode
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MXFP4 decode is built for Hopper")
+    num_pages, max_model_len = 40, 1000
+    _, pages = make_pool("mxfp4", num_pages, device="cuda")
+    values, scales = views("mxfp4", pages)
+    q, w = random_queries(2, 1, 32, device="cuda")
+    table = torch.randint(0, num_pages, (2, 16), dtype=torch.int32, device="cuda")
+    lens = torch.tensor([1000, 65], dtype=torch.int32, device="cuda")
+    apart = values.clone(), scales.clone()
+    assert decode_kernel(q, values, scales, True) == "gluon"
+    assert decode_kernel(q, *apart, True) == "triton"
+    ref = decode("torch", q, w, lens, pages, table, max_model_len, "mxfp4")
+    for vals, scls in ((values, scales), apart):
+        out = torch.full((2, max_model_len), float("nan"), device="cuda")
+        launch_paged_decode(q, w, lens, vals, scls, table, out, True)
         assert_close_to_reference(out, ref, "mxfp4")
 
 
@@ -363,8 +388,8 @@ def test_fp8_gluon_decode_matches_reference(heads, next_n, per_row):
     else:
         lens = torch.tensor([1, 64, 65, 8191, 9000], dtype=torch.int32, device="cuda")
     gluon = {"fp8_kernel": "gluon"}
-    assert decode_kernel(q, values, False, gluon) == "gluon"
-    assert decode_kernel(q, values, False) == ("gluon" if next_n > 1 else "triton")
+    assert decode_kernel(q, values, scales, False, gluon) == "gluon"
+    assert decode_kernel(q, values, scales, False) == ("gluon" if next_n > 1 else "triton")
     before = pool.clone()
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "fp8")
     for config in (gluon, {"fp8_kernel": "triton"}):

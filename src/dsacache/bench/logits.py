@@ -164,7 +164,7 @@ def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, decode
     from dsacache.ops.indexer_logits.triton_kernels import decode_kernel
 
     views = (mxfp4_page_views if fmt == "mxfp4" else fp8_page_views)(inputs[3], HEAD_DIM)
-    extra["kernel"] = decode_kernel(inputs[0], views[0], fmt == "mxfp4")
+    extra["kernel"] = decode_kernel(inputs[0], views[0], views[1], fmt == "mxfp4")
     return BenchRow("paged_decode_logits", shape, ms, nbytes, args.ceiling_gbps, extra)
 
 

@@ -1,41 +1,45 @@
 """Paged decode logits as Gluon kernels for Hopper, 1-4 query rows a request (next_n):
 MXFP4 keys (``paged_decode_mxfp4_kernel``) and FP8 keys (``paged_decode_fp8_kernel``).
 
+Both score a page as one wgmma of the 64 keys against all query rows of the request (N = rows x
+H columns, so each page is read once), then sum the heads with a second wgmma
+(``_mma_head_sums``): ``relu(q.k)`` is rounded to bf16 straight into its A registers and
+multiplied by the head weights (bf16 plus the bf16 of what that rounding left, so the weights
+keep ~16 significant bits), one output column pair per query row. That replaces N / 2 FP32
+instructions a thread and the quad shuffles of a sum over the accumulator: H200, B = 64, 128K,
+FP8 next_n = 2 at H = 64 348 -> 305 us; MXFP4 next_n = 1 213 -> 201 us at H = 32. The bf16
+rounding moves the logits by ~1e-3 relative per head (calc-diff against the FP32 reference
+~1e-7, far inside the 1e-3 / 2e-2 tolerances); ``"kernel": "triton"`` keeps FP32 throughout.
+
 MXFP4: the same math as ``_paged_decode_kernel`` with its "table" decode (see ``triton_kernels``),
-written with explicit layouts so that nothing moves through shared memory but the queries:
+written with explicit layouts so that nothing moves through shared memory but the queries and
+the head weights:
 
 * each thread loads the packed words it decodes straight into registers, in the order the
   wgmma A operand wants them (thread ``4 g + c`` of a warp: token rows ``g`` and ``g + 8``,
-  group ``c`` of each), and the next page's words, scales and the page id after it are
-  loaded while the current page is scored, so no load latency sits inside a tile;
+  group ``c`` of each); page t + 1's words and scales load while page t is scored, page t + 2
+  is copied into L2 by one bulk prefetch and page t + 3's block-table entry loads, so no load
+  latency sits inside a page;
 * the group scales are loaded the same way (a byte a row), their per-token maximum is a
   reduction over the 4 lanes of a quad;
-* ``relu(x) = (x + |x|) / 2`` with the half folded into the head weights (the add runs on
-  the FP32 pipe, a max would run on the integer pipe the decode already fills);
-* rows past a request's length and unreadable pages are masked with scalar predicates,
-  the stores go straight from the accumulator layout.
+* rows past a request's length and unreadable pages are masked at the store; a page that is
+  -1, past the pool or past the program's last page is read at page 0 (unmasked loads: a
+  masked load costs a zero fill a register) and scores -inf.
 
 One difference from the Triton kernel: a token whose four group scales are all 2**-127 (keys
-under 2**-124) scores 0 instead of its tiny value. Loads of a page that is never scored, or
-scores -inf, are left undefined (no zero fill).
+under 2**-124) scores 0 instead of its tiny value. The kernel reads a page's scales right after
+its values (the pool's page layout, checked by the launcher).
 
 FP8 (``paged_decode_fp8_kernel``): the keys need no decode, so they go from the pool to shared
 memory by TMA, in a ring of pages started ahead (a descriptor over the layer's pages; a -1 or
 out-of-range block-table entry is fetched at a page index past the tensor, which reads nothing
-and fills zeros), and the wgmma reads them there. All query rows of a request share one product
-of N = rows x H columns, so each page is read once for all of them; its per-row sums over the
-heads are a reshape and a reduction of the accumulator. Selected per next_n by
+and fills zeros), and the wgmma reads them there. Selected per next_n by
 ``DECODE_CONFIG["fp8_kernel"]`` (next_n 2-4 by default).
 
-With several query rows the MXFP4 kernel scores them all in one product of N = rows x H
-columns and sums each row's heads as the FP8 kernel does; with one row it keeps a scalar length
-and row pointer (the [64, rows] bookkeeping costs ~26 registers at H = 64, one program an SM).
-
 MXFP4 is selected with ``MXFP4_DECODE_CONFIG["kernel"] = "gluon"`` (the default); the CPU interpreter,
-other GPUs and ``"kernel": "triton"`` use ``_paged_decode_kernel``. H200, B = 64, 128K, next_n = 1:
-248 -> 213 us at H = 32, 318 -> 267 us at H = 64 (SASS loop body per 64-token page and warp:
-279 -> 236 instructions, 140 -> 95 on the integer pipe, H = 32); next_n = 2: 386 -> 304 us at
-H = 32, 568 -> 402 us at H = 64.
+other GPUs and ``"kernel": "triton"`` use ``_paged_decode_kernel``. H200, B = 64, 128K, next_n = 1,
+H = 32 / 64: Triton kernel 248 / 318 us, this kernel 186 / 225 us (SASS loop body per 64-token
+page and warp at H = 32: 279 -> 192 instructions); next_n = 2: 386 / 568 -> 227 / 322 us.
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ from dsacache.ops.indexer_logits.triton_kernels import group_tables_ptx, table_l
 
 # One register of e4m3 bytes from half s of a packed word: $1 the word, $5 the half's shift
 # (0 or 16), $9 the group's t (< 0: dropped). Tables and sign trick as in _TABLE_ASM
-# (triton_kernels.py); pack=4 hands each input over four times, only the first is read.
+# (triton_kernels.py); pack=4 hands each input over four times, only the first is read. (The
+# high half's shifts as IMAD.HI on the FMA pipe, the integer pipe left with one instruction a
+# word instead of three, was slower on the H200: 186 -> 197 us at H = 32.)
 _HALF_ASM = gl.constexpr("""
 {
 .reg .pred kept;
@@ -63,6 +69,47 @@ _HALF_ASM = gl.constexpr("""
 xor.b32 flip, sel, 0x8888;
 """ + table_lookup_ptx("$0", "sel") + """}
 """)
+
+
+# relu and the bf16 rounding of two accumulators in one instruction ($1 the first, low half).
+_RELU_BF16X2_ASM = gl.constexpr("cvt.rn.relu.bf16x2.f32 $0, $2, $1;")
+
+
+@gluon.constexpr_function
+def _sum_mma_layout():
+    """The head-sum product [64 tokens, 8 columns] (fp32): column 2r + 1 and 2r of query row r."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+
+
+@gluon.jit
+def _head_weight_operand(w_ptr, b, scale, NEXT_N: gl.constexpr, H: gl.constexpr, N: gl.constexpr):
+    """The head weights (times ``scale``) as the B operand [8, N] bf16 of the head-sum product, in
+    shared memory: column 2r holds row r's weights rounded to bf16, column 2r + 1 what that
+    rounding left (so the pair keeps ~16 significant bits), every other entry 0."""
+    WL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    j = gl.arange(0, 8, layout=gl.SliceLayout(1, WL))[:, None]
+    n = gl.arange(0, N, layout=gl.SliceLayout(0, WL))[None, :]
+    w = gl.load(w_ptr + b * NEXT_N * H + n + 0 * j, mask=(n < NEXT_N * H) & (j // 2 == n // H), other=0.0) * scale
+    hi = w.to(gl.bfloat16)
+    part = gl.where(j % 2 == 0, hi, (w - hi.to(gl.float32)).to(gl.bfloat16))
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, N], gl.bfloat16)
+    return gl.allocate_shared_memory(gl.bfloat16, [8, N], layout, part)
+
+
+@gluon.jit
+def _mma_head_sums(acc, w_smem, MMA: gl.constexpr):
+    """Scores [64 tokens, 4 rows] of a product ``acc`` [64, N] (fp32, columns = rows x heads):
+    ``sum_h relu(acc) * w`` as a second wgmma, relu(acc) rounded to bf16 straight into its A
+    registers (the accumulator layout is the A operand layout) against the head weights
+    (``_head_weight_operand``). Per page and thread that is N / 8 conversions and N / 64 wgmmas
+    instead of N / 2 FP32 instructions and the quad shuffles."""
+    S: gl.constexpr = _sum_mma_layout()
+    p = gl.inline_asm_elementwise(_RELU_BF16X2_ASM, "=r,r,r", [acc], dtype=gl.bfloat16, is_pure=True, pack=2)
+    p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=S, k_width=2), assert_trivial=True)
+    sums = warpgroup_mma(p, w_smem.permute((1, 0)), gl.zeros([64, 8], gl.float32, S), use_acc=False,
+                         is_async=True)
+    sums = warpgroup_mma_wait(num_outstanding=0, deps=(sums, ))
+    return gl.sum(gl.reshape(sums, [64, 4, 2]), axis=2)
 
 
 @gluon.constexpr_function
@@ -93,19 +140,6 @@ def _word_load_layout():
 
 
 @gluon.jit
-def _load_words(page_values, offs, pred):
-    """A page's packed words [64 tokens, 4 words, 4 groups] int32 (undefined where not pred:
-    such a page is never scored or scores -inf)."""
-    return gl.load(page_values.to(gl.pointer_type(gl.int32)) + offs, mask=pred)
-
-
-@gluon.jit
-def _load_group_scales(page_scales, offs, pred):
-    """A page's UE8M0 group scales [64 tokens, 4 groups] as int32 (undefined where not pred)."""
-    return gl.load(page_scales + offs, mask=pred).to(gl.int32)
-
-
-@gluon.jit
 def _decode(words, scale, KEYS: gl.constexpr, A: gl.constexpr):
     """Words [64, 4, 4] and scales [64, 4] -> (e4m3 A operand [64, 128], top scale byte [64])."""
     top = gl.max(scale, axis=1)
@@ -126,28 +160,27 @@ def paged_decode_mxfp4_kernel(
     q_ptr,            # [B * NEXT_N * H, D] e4m3, D = 128
     w_ptr,            # [B * NEXT_N, H] fp32
     lens_ptr,         # [B, NEXT_N] int32 (PER_ROW) or [B] int32; clamped here to [0, max_model_len]
-    values_ptr,       # [P, 64, 64] uint8 packed e2m1 (page stride page_stride)
-    scales_ptr,       # [P, 64, 4] uint8 UE8M0 (page stride scale_stride)
+    pages_ptr,        # [P, 4352] uint8 pages (page stride page_stride, 16-byte aligned), P >= 1: the
+                      # packed e2m1 [64, 64] then the UE8M0 scales [64, 4]
     bt_ptr,           # [B, max_blocks] int32
     out_ptr,          # [B * NEXT_N, max_model_len] fp32
-    num_pages, max_blocks, bt_stride, page_stride, scale_stride, max_model_len, out_stride,
+    num_pages, max_blocks, bt_stride, page_stride, max_model_len, out_stride,
     NEXT_N: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr, TILES: gl.constexpr,
 ):
     D: gl.constexpr = 128
     PAGE: gl.constexpr = 64
     N: gl.constexpr = ROWS * H
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
-    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
-    KEYS: gl.constexpr = _key_layout()
-    WORDS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, KEYS))          # [64, word, group]
-    SCALES: gl.constexpr = gl.SliceLayout(1, WORDS)                           # [64, group]
     QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])      # [N, D] queries
     QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
-    ncol = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
-    len_col, longest = _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N, H, PER_ROW)
+    # Row bookkeeping in the head-sum product's [64, 4 rows] layout (column pairs 2r, 2r + 1).
+    ncol = gl.arange(0, 8, layout=gl.SliceLayout(0, _sum_mma_layout()))
+    len_col = _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N, PER_ROW)
+    longest = _longest_row(lens_ptr, b, max_model_len, NEXT_N, PER_ROW)
+    num_scored = gl.minimum(gl.maximum(gl.cdiv(longest - col0, PAGE), 0), TILES)
 
     # Queries [N, D] in the key column order (_table_columns), as the B operand in shared memory
     # (row n: query row n // H, head n % H; rows past NEXT_N zero).
@@ -157,118 +190,160 @@ def paged_decode_mxfp4_kernel(
     q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
     q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
+    # The 2**-6 of the token factor 2**(top - 133) is folded into the weights.
+    w_smem = _head_weight_operand(w_ptr, b, 0.015625, NEXT_N, H, N)
     fence_async_shared()
     gl.thread_barrier()
-    # relu(x) * w = (x + |x|) * (w / 2); the 2**-6 of the token factor 2**(top - 133) is folded in too.
-    w = gl.load(w_ptr + b * NEXT_N * H + ncol, mask=ncol < NEXT_N * H, other=0.0) * 0.0078125
 
-    num_scored = gl.minimum(gl.maximum(gl.cdiv(longest - col0, PAGE), 0), TILES)
-    # Per-thread offsets of the words and scales it loads, inside a page.
-    WL: gl.constexpr = _word_load_layout()
-    tok_w = gl.arange(0, PAGE, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
-    word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
-    group_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
-    word_offs = tok_w[:, None, None] * 16 + word[None, :, None] + group_w[None, None, :] * 4
-    tok_s = gl.arange(0, PAGE, layout=gl.SliceLayout(1, SCALES))
-    group_s = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALES))
-    scale_offs = tok_s[:, None] * 4 + group_s[None, :]
-
-    if ROWS == 1:
-        # One query row: scalar length and row pointer, scores in the accumulator's row layout
-        # (the [64, ROWS] tensors below cost ~26 registers at H = 64 and an SM program).
-        TOK: gl.constexpr = gl.SliceLayout(1, MMA)
-        tok = gl.arange(0, PAGE, layout=TOK)
-        out_row = out_ptr + b.to(gl.int64) * out_stride + col0
-    else:
-        tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, MMA, NEXT_N, ROWS,
-                                                    H)
-        TOK: gl.constexpr = gl.SliceLayout(1, tok2.type.layout)
+    tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N)
+    offs = _page_offsets()
     bt_row = bt_ptr + b * bt_stride
     blk0 = col0 // PAGE
-    zero = gl.zeros([PAGE, N], gl.float32, MMA)
-    page = gl.load(bt_row + blk0, mask=(num_scored > 0) & (blk0 < max_blocks), other=-1)
-    ok_next = (page >= 0) & (page < num_pages)
-    page = gl.where(ok_next, page, 0).to(gl.int64)
-    words_next = _load_words(values_ptr + page * page_stride, word_offs, ok_next)
-    scales_next = _load_group_scales(scales_ptr + page * scale_stride, scale_offs, ok_next)
-    page_ahead = gl.load(bt_row + blk0 + 1, mask=(num_scored > 1) & (blk0 + 1 < max_blocks), other=-1)
+    pages = (pages_ptr, num_pages, page_stride)
+    out_args = (gl.zeros([PAGE, N], gl.float32, MMA), q_smem, w_smem, out_rows, row_ok, tok2, len2, col0,
+                max_model_len)
+    # Page t + 1's words and scales load into registers while page t is scored, page t + 2 is
+    # copied into L2 and page t + 3's block-table entry loads, so none of these waits inside a
+    # page (H200, 128K: 194 -> 188 us at H = 32, 243 -> 225 us at H = 64; 3-6 pages ahead was
+    # slower: a second block-table chain costs instructions). A page that is -1, past the pool
+    # or past num_scored is read at page 0 (a masked load costs a zero fill a register) and
+    # scores -inf.
+    base_a, ok_a = _page_base(_block_entry(bt_row, blk0, 0, num_scored, max_blocks), *pages)
+    words_a, scales_a = _load_page(base_a, offs)
+    base_b, ok_b = _page_base(_block_entry(bt_row, blk0, 1, num_scored, max_blocks), *pages)
+    entry_c = _block_entry(bt_row, blk0, 2, num_scored, max_blocks)
     for t in range(num_scored):
-        words = words_next
-        scales = scales_next
-        ok = ok_next
-        # Next page's loads first: they complete while this page is scored.
-        ok_next = (page_ahead >= 0) & (page_ahead < num_pages)
-        more = ok_next & (t + 1 < num_scored)
-        page = gl.where(ok_next, page_ahead, 0).to(gl.int64)
-        words_next = _load_words(values_ptr + page * page_stride, word_offs, more)
-        scales_next = _load_group_scales(scales_ptr + page * scale_stride, scale_offs, more)
-        page_ahead = gl.load(bt_row + blk0 + t + 2, mask=(t + 2 < num_scored) & (blk0 + t + 2 < max_blocks),
-                             other=-1)
-
-        keys, top = _decode(gl.convert_layout(words, WORDS), scales, KEYS, A)
-        acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        # 2**(top - 127) from its bits (the 2**-6 is in w); top 0 gives 0 instead of 2**-127.
-        factor = gl.convert_layout((top << 23).to(gl.float32, bitcast=True), TOK)
-        if ROWS == 1:
-            scores = gl.sum((acc + gl.abs(acc)) * w[None, :], axis=1) * factor
-            # Scalar bounds: visible tokens of this page (0 if unreadable) and tokens inside out.
-            seen = gl.where(ok, longest - col0 - t * PAGE, 0)
-            scores = gl.where(tok < seen, scores, float("-inf"))
-            gl.store(out_row + t * PAGE + tok, scores, mask=tok < max_model_len - col0 - t * PAGE)
-        else:
-            scores = _row_sums((acc + gl.abs(acc)) * w[None, :], ROWS, H) * factor[:, None]
-            _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, t * PAGE, max_model_len)
-
-    if ROWS == 1:
-        blank = gl.full([PAGE], float("-inf"), gl.float32, TOK)
-        for t in range(num_scored, TILES):
-            gl.store(out_row + t * PAGE + tok, blank, mask=tok < max_model_len - col0 - t * PAGE)
-    else:
-        _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)
+        words, scales, ok = words_a, scales_a, ok_a
+        words_a, scales_a = _load_page(base_b, offs)
+        ok_a = ok_b
+        base_b, ok_b = _page_base(entry_c, *pages)
+        _prefetch_l2(base_b)
+        entry_c = _block_entry(bt_row, blk0, t + 3, num_scored, max_blocks)
+        _score_page(words, scales, ok, t * PAGE, *out_args)
+    _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)
 
 
 @gluon.jit
-def _row_sums(x, ROWS: gl.constexpr, H: gl.constexpr):
-    """[64, ROWS * H] -> [64, ROWS]: each query row's sum over its heads."""
-    return gl.sum(gl.reshape(x, [64, ROWS, H]), axis=2)
+def _page_offsets():
+    """Per-thread offsets of the packed words [64, 4 words, 4 groups] and the group scales
+    [64, 4 groups] a thread loads, inside a page (``_word_load_layout`` and the decode's scales)."""
+    WL: gl.constexpr = _word_load_layout()
+    SCALES: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, _key_layout())))
+    tok_w = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
+    word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
+    group_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
+    tok_s = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALES))
+    group_s = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALES))
+    words = tok_w[:, None, None] * 16 + word[None, :, None] + group_w[None, None, :] * 4
+    return words, tok_s[:, None] * 4 + group_s[None, :]
+
+
+# Thread 0 starts a bulk copy of the 4352-byte page at $2 into L2 (TMA unit, no registers).
+_PREFETCH_ASM = gl.constexpr("""{
+.reg .pred p;
+setp.eq.s32 p, $1, 0;
+@p cp.async.bulk.prefetch.L2.global [$2], 4352;
+mov.b32 $0, 0;
+}""")
 
 
 @gluon.jit
-def _per_row(x, ROWS: gl.constexpr, H: gl.constexpr):
-    """[64, ROWS * H] int32, constant over each query row's heads -> [64, ROWS] in the layout of
-    ``_row_sums``."""
-    return gl.max(gl.reshape(x, [64, ROWS, H]), axis=2)
+def _block_entry(bt_row, blk0, t, num_scored, max_blocks):
+    """Block-table entry of the program's page t (-1 past num_scored or the table)."""
+    return gl.load(bt_row + blk0 + t, mask=(t < num_scored) & (blk0 + t < max_blocks), other=-1)
 
 
 @gluon.jit
-def _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr):
-    """(the clamped length of each product column's query row [N], the longest of them)."""
-    row_of_col = ncol // H
+def _page_base(page, pages_ptr, num_pages, page_stride):
+    """(the page's first byte, page 0's when ``page`` is -1 or past the pool; whether it is readable)."""
+    # One unsigned compare covers -1 too; the page index is then a 32-bit zero-extended multiplier.
+    page = page.to(gl.uint32, bitcast=True)
+    ok = page < num_pages.to(gl.uint32, bitcast=True)
+    return pages_ptr + gl.where(ok, page, 0).to(gl.uint64) * page_stride.to(gl.uint64, bitcast=False), ok
+
+
+@gluon.jit
+def _prefetch_l2(base):
+    """Copy a page (values and scales) into L2 ahead of its register loads."""
+    lane = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,r,l", [lane, base + 0 * lane], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _load_page(base, offs):
+    """A page's packed words [64, 4, 4] int32 and group scales [64, 4] int32 (``_page_offsets``)."""
+    words = gl.load(base.to(gl.pointer_type(gl.int32)) + offs[0])
+    scales = gl.load(base + 64 * 64 + offs[1]).to(gl.int32)
+    return words, scales
+
+
+@gluon.jit
+def _score_page(words, scales, ok, offset, zero, q_smem, w_smem, out_rows, row_ok, tok2, len2, col0, max_model_len):
+    """Decode a page, score it against the queries and store its [64, rows] logits at columns
+    ``col0 + offset + token`` (-inf where unreadable or past a row's length). ``zero``: a [64, N]
+    fp32 zero in the product's layout."""
+    MMA: gl.constexpr = zero.type.layout
+    KEYS: gl.constexpr = _key_layout()
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    keys, top = _decode(gl.convert_layout(words, gl.SliceLayout(2, gl.SliceLayout(4, KEYS))), scales, KEYS, A)
+    acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    # 2**(top - 127) from its bits (the 2**-6 is in the weights); top 0 gives 0 instead of 2**-127.
+    factor = gl.convert_layout((top << 23).to(gl.float32, bitcast=True), gl.SliceLayout(1, tok2.type.layout))
+    scores = _mma_head_sums(acc, w_smem, MMA) * factor[:, None]
+    _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, offset, max_model_len)
+
+
+@gluon.jit
+def _pair_max(x):
+    """[64, 8] int32 in the head-sum layout, equal within each column pair -> [64, 4 rows] in the
+    layout of ``_mma_head_sums``."""
+    return gl.max(gl.reshape(x, [64, 4, 2]), axis=2)
+
+
+@gluon.jit
+def _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N: gl.constexpr, PER_ROW: gl.constexpr):
+    """The clamped length of the query row of each head-sum column [8] (row = column // 2; 0 past
+    NEXT_N)."""
+    row = ncol // 2
     if PER_ROW:
-        len_col = gl.load(lens_ptr + b * NEXT_N + row_of_col, mask=row_of_col < NEXT_N, other=0)
+        lens = gl.load(lens_ptr + b * NEXT_N + row, mask=row < NEXT_N, other=0)
     else:  # one length a request: row r sees ctx - NEXT_N + r + 1 positions
-        len_col = gl.load(lens_ptr + b + 0 * row_of_col) - NEXT_N + row_of_col + 1
-    len_col = gl.where(row_of_col < NEXT_N, gl.minimum(gl.maximum(len_col, 0), max_model_len), 0)
-    return len_col, gl.max(len_col, axis=0)
+        lens = gl.load(lens_ptr + b + 0 * row) - NEXT_N + row + 1
+    return gl.where(row < NEXT_N, gl.minimum(gl.maximum(lens, 0), max_model_len), 0)
 
 
 @gluon.jit
-def _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, MMA: gl.constexpr, NEXT_N: gl.constexpr,
-                 ROWS: gl.constexpr, H: gl.constexpr):
-    """[64 tokens, ROWS] tensors in the layout of ``_row_sums``: token index, row length, output
-    pointer at the program's first column, and whether the row exists (row < NEXT_N)."""
-    zero = gl.zeros([64, ROWS * H], gl.int32, MMA)
-    tok2 = _per_row(zero + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))[:, None], ROWS, H)
-    row2 = _per_row(zero + (ncol // H)[None, :], ROWS, H)
-    len2 = _per_row(zero + len_col[None, :], ROWS, H)
+def _longest_row(lens_ptr, b, max_model_len, NEXT_N: gl.constexpr, PER_ROW: gl.constexpr):
+    """The clamped length of a request's longest query row, from scalar loads (a reduction over
+    a lane-spread vector instead made ptxas treat the page loop as divergent: no uniform
+    datapath, wgmma descriptors in vector registers, +23 registers at H = 32)."""
+    if PER_ROW:
+        longest = gl.load(lens_ptr + b * NEXT_N)
+        for r in gl.static_range(1, NEXT_N):
+            longest = gl.maximum(longest, gl.load(lens_ptr + b * NEXT_N + r))
+    else:  # row NEXT_N - 1 sees the whole context
+        longest = gl.load(lens_ptr + b)
+    return gl.minimum(gl.maximum(longest, 0), max_model_len)
+
+
+@gluon.jit
+def _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N: gl.constexpr):
+    """[64 tokens, 4 rows] tensors in the layout of ``_mma_head_sums``: token index, row length,
+    output pointer at the program's first column, and whether the row exists (row < NEXT_N)."""
+    S: gl.constexpr = _sum_mma_layout()
+    zero = gl.zeros([64, 8], gl.int32, S)
+    tok2 = _pair_max(zero + gl.arange(0, 64, layout=gl.SliceLayout(1, S))[:, None])
+    row2 = _pair_max(zero + (ncol // 2)[None, :])
+    len2 = _pair_max(zero + len_col[None, :])
     out_rows = out_ptr + (b * NEXT_N + row2).to(gl.int64) * out_stride + col0 + tok2
     return tok2, len2, out_rows, row2 < NEXT_N
 
 
 @gluon.jit
 def _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, offset, max_model_len):
-    """Store a page's scores [64, ROWS] at the program's columns ``offset + token``: -inf where a
+    """Store a page's scores [64, 4 rows] at the program's columns ``offset + token``: -inf where a
     row does not see the token or the page was unreadable (``ok`` false), nothing past the row."""
     seen = gl.where(ok, len2 - col0 - offset, 0)
     scores = gl.where(tok2 < seen, scores, float("-inf"))
@@ -311,7 +386,6 @@ def paged_decode_fp8_kernel(
     PAGE: gl.constexpr = 64
     N: gl.constexpr = ROWS * H
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
-    COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
@@ -320,8 +394,10 @@ def paged_decode_fp8_kernel(
     bt_row = bt_ptr + b * bt_stride
     blk0 = col0 // PAGE
 
-    ncol = gl.arange(0, N, layout=COLS)
-    len_col, longest = _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N, H, PER_ROW)
+    # Row bookkeeping in the head-sum product's [64, 4 rows] layout (column pairs 2r, 2r + 1).
+    ncol = gl.arange(0, 8, layout=gl.SliceLayout(0, _sum_mma_layout()))
+    len_col = _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N, PER_ROW)
+    longest = _longest_row(lens_ptr, b, max_model_len, NEXT_N, PER_ROW)
     num_scored = gl.minimum(gl.maximum(gl.cdiv(longest - col0, PAGE), 0), TILES)
 
     # The key ring: the first STAGES pages start loading before anything else.
@@ -338,12 +414,11 @@ def paged_decode_fp8_kernel(
     q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
     q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
-    # relu(x) * w = (x + |x|) * (w / 2)
-    w = gl.load(w_ptr + b * NEXT_N * H + ncol, mask=ncol < NEXT_N * H, other=0.0) * 0.5
+    w_smem = _head_weight_operand(w_ptr, b, 1.0, NEXT_N, H, N)
+    tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N)
     fence_async_shared()
     gl.thread_barrier()
 
-    tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, MMA, NEXT_N, ROWS, H)
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, tok2.type.layout))
     acc0 = gl.zeros([PAGE, N], gl.float32, MMA)
 
@@ -368,7 +443,7 @@ def paged_decode_fp8_kernel(
         _fetch_page(k_desc, bt_row, blk0 + t + STAGES, t + STAGES < num_scored, max_blocks, num_pages,
                     bars.index(slot), k_smem.index(slot))
 
-        scores = _row_sums((acc + gl.abs(acc)) * w[None, :], ROWS, H) * scales[:, None]
+        scores = _mma_head_sums(acc, w_smem, MMA) * scales[:, None]
         _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, t * PAGE, max_model_len)
 
     _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)

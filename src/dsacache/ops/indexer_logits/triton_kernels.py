@@ -504,16 +504,20 @@ def _split_rows(cfg: dict, next_n: int, num_heads: int) -> bool:
     return least is not None and 2 <= next_n <= 4 and num_heads >= least
 
 
-def _gluon_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor) -> bool:
+def _gluon_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether an MXFP4 launch runs the Gluon kernel (``gluon_kernels``): ``cfg["kernel"]`` says
     so, a Hopper GPU, D = 128, 16-128 heads, at most 256 product columns (next_n rounded up to a
-    power of two, times H), 4-byte aligned key rows."""
+    power of two, times H), and the pool's page layout: each page's scales right after its values
+    (as ``mxfp4_page_views`` cuts them), pages 16-byte aligned, at least one page."""
     if cfg.get("kernel", "triton") != "gluon" or not PTX_AVAILABLE or not q.is_cuda:
         return False
     batch, next_n, num_heads, head_dim = q.shape
+    packed_pages = (scales.data_ptr() == values.data_ptr() + values.shape[1] * values.shape[2]
+                    and scales.stride(0) == values.stride(0) and scales.stride(1) == scales.shape[2]
+                    and values.data_ptr() % 16 == 0 and values.stride(0) % 16 == 0 and values.shape[0] > 0)
     return (torch.cuda.get_device_capability(q.device)[0] == 9 and head_dim == 128
             and num_heads in (16, 32, 64, 128) and triton.next_power_of_2(next_n) * num_heads <= 256
-            and _table_decode(cfg, values))
+            and packed_pages and _table_decode(cfg, values))
 
 
 def _gluon_fp8_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor) -> bool:
@@ -555,11 +559,12 @@ def next_n_kernel(choice, next_n: int) -> str:
     return choice or "triton"
 
 
-def decode_kernel(q: torch.Tensor, values: torch.Tensor, mxfp4: bool, config: dict | None = None) -> str:
+def decode_kernel(q: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, mxfp4: bool,
+                  config: dict | None = None) -> str:
     """Which kernel ``launch_paged_decode`` runs for these inputs: "gluon" or "triton" (for reports)."""
     cfg = {**DECODE_CONFIG, **(MXFP4_DECODE_CONFIG if mxfp4 else {}), **(config or {})}
     if mxfp4:
-        return "gluon" if _gluon_decode(cfg, q, values) else "triton"
+        return "gluon" if _gluon_decode(cfg, q, values, scales) else "triton"
     return "gluon" if _gluon_fp8_decode(cfg, q, values) else "triton"
 
 
@@ -587,16 +592,15 @@ def launch_paged_decode(
                  "contiguous out and BLOCK_N equal to the kernel page (a tile is one page)")
     max_model_len = out.shape[1]
     grid = (triton.cdiv(max_model_len, cfg["BLOCK_N"] * cfg["TILES"]), batch)
-    if mxfp4 and _gluon_decode(cfg, q, values):
+    if mxfp4 and _gluon_decode(cfg, q, values, scales):
         from dsacache.ops.indexer_logits.gluon_kernels import paged_decode_mxfp4_kernel
 
         extra = {"maxnreg": cfg["gluon_maxnreg"]} if cfg.get("gluon_maxnreg") else {}
         paged_decode_mxfp4_kernel[grid](
-            q, weights, context_lens, values, scales, block_table, out,
-            values.shape[0], block_table.shape[1], block_table.stride(0),
-            values.stride(0), scales.stride(0), max_model_len, out.stride(0),
-            NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads, PER_ROW=context_lens.dim() == 2,
-            TILES=cfg["TILES"], num_warps=4, **extra,
+            q, weights, context_lens, values, block_table, out,
+            values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
+            out.stride(0), NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads,
+            PER_ROW=context_lens.dim() == 2, TILES=cfg["TILES"], num_warps=4, **extra,
         )
         return
     rows = triton.next_power_of_2(next_n)
