@@ -84,7 +84,11 @@ def paged_decode_logits(
     ``logit[b * next_n + i, j] = sum_h weights[b * next_n + i, h] * relu(q[b, i, h] . key[b, j])``,
     fp32 accumulation, where ``key[b, j]`` is token ``j`` of request ``b`` (page
     ``block_table[b, j // 64]``, row ``j % 64``) with its scale applied (``docs/layout.md``,
-    "indexer page", for the bytes).
+    "indexer page", for the bytes). The Gluon decodes on Hopper (MXFP4 keys; FP8 keys with
+    2-4 query rows) sum the heads with a second tensor-core product: each ``relu(q . key)``
+    is rounded to bf16 first (at most 2**-9 relative a term; the weights keep ~16 bits and
+    the sum is fp32), calc-diff ~1e-7 against the reference. The Triton kernels and
+    ``impl="torch"`` keep fp32 throughout.
 
     Args:
         q: ``[B, next_n, H, D]`` float8_e4m3fn queries (the query scale, ``D**-0.5`` and
