@@ -17,9 +17,9 @@ the head weights:
 
 * each thread loads the packed words it decodes straight into registers, in the order the
   wgmma A operand wants them (thread ``4 g + c`` of a warp: token rows ``g`` and ``g + 8``,
-  group ``c`` of each); page t + 1's words and scales load while page t is scored, page t + 2
-  is copied into L2 by one bulk prefetch and page t + 3's block-table entry loads, so no load
-  latency sits inside a page;
+  group ``c`` of each); page t + 1's words and scales load while page t is scored and page
+  t + 2 is copied into L2 by one bulk prefetch, so no load latency sits inside a page (the
+  program's block-table entries are read into shared memory once, ``_block_entries``);
 * the group scales are loaded the same way (a byte a row), their per-token maximum is a
   reduction over the 4 lanes of a quad;
 * rows past a request's length and unreadable pages are masked at the store; a page that is
@@ -192,33 +192,29 @@ def paged_decode_mxfp4_kernel(
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
     # The 2**-6 of the token factor 2**(top - 133) is folded into the weights.
     w_smem = _head_weight_operand(w_ptr, b, 0.015625, NEXT_N, H, N)
+    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, TILES, 2)
     fence_async_shared()
     gl.thread_barrier()
 
     tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N)
     offs = _page_offsets()
-    bt_row = bt_ptr + b * bt_stride
-    blk0 = col0 // PAGE
     pages = (pages_ptr, num_pages, page_stride)
     out_args = (gl.zeros([PAGE, N], gl.float32, MMA), q_smem, w_smem, out_rows, row_ok, tok2, len2, col0,
                 max_model_len)
-    # Page t + 1's words and scales load into registers while page t is scored, page t + 2 is
-    # copied into L2 and page t + 3's block-table entry loads, so none of these waits inside a
-    # page (H200, 128K: 194 -> 188 us at H = 32, 243 -> 225 us at H = 64; 3-6 pages ahead was
-    # slower: a second block-table chain costs instructions). A page that is -1, past the pool
+    # Page t + 1's words and scales load into registers while page t is scored and page t + 2
+    # is copied into L2, so no load waits inside a page (H200, 128K: 194 -> 188 us at H = 32,
+    # 243 -> 225 us at H = 64; 3-6 pages ahead was slower). A page that is -1, past the pool
     # or past num_scored is read at page 0 (a masked load costs a zero fill a register) and
     # scores -inf.
-    base_a, ok_a = _page_base(_block_entry(bt_row, blk0, 0, num_scored, max_blocks), *pages)
+    base_a, ok_a = _page_base(_entry(entries, 0), *pages)
     words_a, scales_a = _load_page(base_a, offs)
-    base_b, ok_b = _page_base(_block_entry(bt_row, blk0, 1, num_scored, max_blocks), *pages)
-    entry_c = _block_entry(bt_row, blk0, 2, num_scored, max_blocks)
+    base_b, ok_b = _page_base(_entry(entries, 1), *pages)
     for t in range(num_scored):
         words, scales, ok = words_a, scales_a, ok_a
         words_a, scales_a = _load_page(base_b, offs)
         ok_a = ok_b
-        base_b, ok_b = _page_base(entry_c, *pages)
+        base_b, ok_b = _page_base(_entry(entries, t + 2), *pages)
         _prefetch_l2(base_b)
-        entry_c = _block_entry(bt_row, blk0, t + 3, num_scored, max_blocks)
         _score_page(words, scales, ok, t * PAGE, *out_args)
     _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)
 
@@ -247,10 +243,33 @@ mov.b32 $0, 0;
 }""")
 
 
+@gluon.constexpr_function
+def _power_of_two_at_least(n):
+    return 1 << (n - 1).bit_length()
+
+
 @gluon.jit
-def _block_entry(bt_row, blk0, t, num_scored, max_blocks):
-    """Block-table entry of the program's page t (-1 past num_scored or the table)."""
-    return gl.load(bt_row + blk0 + t, mask=(t < num_scored) & (blk0 + t < max_blocks), other=-1)
+def _block_entries(bt_row, blk0, num_scored, max_blocks, TILES: gl.constexpr, AHEAD: gl.constexpr):
+    """The program's block-table entries in shared memory, read once at the start (-1 past
+    num_scored or the table, which covers the AHEAD look-ahead slots past the last page): an
+    entry loaded from global memory inside the page loop made every page wait for it (ptxas
+    moves the loop-carried entry into a uniform register at the end of the iteration that
+    loads it; H200, MXFP4, 128K: 185.6 -> 182.5 us at H = 32, 224.9 -> 219.8 us at H = 64)."""
+    SLOTS: gl.constexpr = _power_of_two_at_least(TILES + AHEAD)
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i = gl.arange(0, SLOTS, layout=L)
+    entry = gl.load(bt_row + blk0 + i, mask=(i < num_scored) & (blk0 + i < max_blocks), other=-1)
+    layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    smem = gl.allocate_shared_memory(gl.int32, [SLOTS], layout, entry)
+    # The same bytes as [SLOTS, 1] rows, so that .index(t) (a dynamic index) gives entry t.
+    return smem._reinterpret(gl.int32, [SLOTS, 1], layout)
+
+
+@gluon.jit
+def _entry(entries, t):
+    """Entry ``t`` of ``_block_entries`` as a scalar."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(entries.index(t).load(L), axis=0)
 
 
 @gluon.jit
@@ -359,11 +378,10 @@ def _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES: 
 
 
 @gluon.jit
-def _fetch_page(k_desc, bt_row, blk, live, max_blocks, num_pages, bar, dest):
-    """Start the TMA copy of block ``blk``'s key page into ``dest`` (arriving on ``bar``) when
-    ``live``. An entry that is -1, past the table or past the pool is fetched at page
+def _fetch_page(k_desc, page, live, num_pages, bar, dest):
+    """Start the TMA copy of key page ``page`` (a block-table entry) into ``dest`` (arriving on
+    ``bar``) when ``live``. An entry that is -1 or past the pool is fetched at page
     ``num_pages``: outside the tensor, so the copy reads nothing and fills zeros."""
-    page = gl.load(bt_row + blk, mask=live & (blk < max_blocks), other=-1)
     page = gl.where((page >= 0) & (page < num_pages), page, num_pages)
     mbarrier.expect(bar, 64 * 128, pred=live)
     tma.async_copy_global_to_shared(k_desc, [page, 0, 0], bar, dest, pred=live)
@@ -391,8 +409,6 @@ def paged_decode_fp8_kernel(
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
-    bt_row = bt_ptr + b * bt_stride
-    blk0 = col0 // PAGE
 
     # Row bookkeeping in the head-sum product's [64, 4 rows] layout (column pairs 2r, 2r + 1).
     ncol = gl.arange(0, 8, layout=gl.SliceLayout(0, _sum_mma_layout()))
@@ -401,12 +417,14 @@ def paged_decode_fp8_kernel(
     num_scored = gl.minimum(gl.maximum(gl.cdiv(longest - col0, PAGE), 0), TILES)
 
     # The key ring: the first STAGES pages start loading before anything else.
+    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, TILES, STAGES)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, PAGE, D], k_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
+    gl.thread_barrier()
     for s in gl.static_range(STAGES):
-        _fetch_page(k_desc, bt_row, blk0 + s, s < num_scored, max_blocks, num_pages, bars.index(s), k_smem.index(s))
+        _fetch_page(k_desc, _entry(entries, s), s < num_scored, num_pages, bars.index(s), k_smem.index(s))
 
     # Queries [N, D] (row n: query row n // H, head n % H; rows past NEXT_N zero) as the B operand.
     n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
@@ -422,14 +440,14 @@ def paged_decode_fp8_kernel(
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, tok2.type.layout))
     acc0 = gl.zeros([PAGE, N], gl.float32, MMA)
 
-    page = gl.load(bt_row + blk0, mask=(num_scored > 0) & (blk0 < max_blocks), other=-1)
+    page = _entry(entries, 0)
     ok_next = (page >= 0) & (page < num_pages)
     scales_next = gl.load(scales_ptr + gl.where(ok_next, page, 0).to(gl.int64) * scale_stride + tok, mask=ok_next)
     for t in range(num_scored):
         slot = t % STAGES
         scales = scales_next
         ok = ok_next
-        page = gl.load(bt_row + blk0 + t + 1, mask=(t + 1 < num_scored) & (blk0 + t + 1 < max_blocks), other=-1)
+        page = _entry(entries, t + 1)
         ok_next = (page >= 0) & (page < num_pages)
         scales_next = gl.load(scales_ptr + gl.where(ok_next, page, 0).to(gl.int64) * scale_stride + tok,
                               mask=ok_next)
@@ -440,8 +458,8 @@ def paged_decode_fp8_kernel(
         acc, keys = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keys))
         # Every warp is past its wgmma, so the slot is free for the page STAGES ahead.
         gl.thread_barrier()
-        _fetch_page(k_desc, bt_row, blk0 + t + STAGES, t + STAGES < num_scored, max_blocks, num_pages,
-                    bars.index(slot), k_smem.index(slot))
+        _fetch_page(k_desc, _entry(entries, t + STAGES), t + STAGES < num_scored, num_pages, bars.index(slot),
+                    k_smem.index(slot))
 
         scores = _mma_head_sums(acc, w_smem, MMA) * scales[:, None]
         _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, t * PAGE, max_model_len)
