@@ -7,9 +7,10 @@ H columns, so each page is read once), then sum the heads with a second wgmma
 multiplied by the head weights (bf16 plus the bf16 of what that rounding left, so the weights
 keep ~16 significant bits), one output column pair per query row. That replaces N / 2 FP32
 instructions a thread and the quad shuffles of a sum over the accumulator: H200, B = 64, 128K,
-FP8 next_n = 2 at H = 64 348 -> 305 us; MXFP4 next_n = 1 213 -> 201 us at H = 32. The bf16
-rounding moves the logits by ~1e-3 relative per head (calc-diff against the FP32 reference
-~1e-7, far inside the 1e-3 / 2e-2 tolerances); ``"kernel": "triton"`` keeps FP32 throughout.
+FP8 next_n = 2 at H = 64 348 -> 305 us (297 us with the later block-table change); MXFP4
+next_n = 1 213 -> 201 us at H = 32. The bf16 rounding moves a head's term by at most 2**-9
+relative (calc-diff against the FP32 reference ~1e-7, far inside the 1e-3 / 2e-2 tolerances);
+``"kernel": "triton"`` keeps FP32 throughout.
 
 MXFP4: the same math as ``_paged_decode_kernel`` with its "table" decode (see ``triton_kernels``),
 written with explicit layouts so that nothing moves through shared memory but the queries and
@@ -38,8 +39,8 @@ and fills zeros), and the wgmma reads them there. Selected per next_n by
 
 MXFP4 is selected with ``MXFP4_DECODE_CONFIG["kernel"] = "gluon"`` (the default); the CPU interpreter,
 other GPUs and ``"kernel": "triton"`` use ``_paged_decode_kernel``. H200, B = 64, 128K, next_n = 1,
-H = 32 / 64: Triton kernel 248 / 318 us, this kernel 186 / 225 us (SASS loop body per 64-token
-page and warp at H = 32: 279 -> 192 instructions); next_n = 2: 386 / 568 -> 227 / 322 us.
+H = 32 / 64: Triton kernel 248 / 318 us, this kernel 182 / 219 us (SASS loop body per 64-token
+page and warp at H = 32: 279 -> 183 instructions); next_n = 2: 386 / 568 -> 221 / 315 us.
 """
 
 from __future__ import annotations

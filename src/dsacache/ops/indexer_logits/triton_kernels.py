@@ -54,10 +54,10 @@ PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
 #: (docs/bench-results/2026-11-29-h200-pm/logits_split_rows_probe.log).
 #: ``fp8_kernel`` (next_n -> "gluon" or "triton"): FP8 keys with several query rows a request run
 #: ``gluon_kernels.paged_decode_fp8_kernel`` on Hopper (TMA-fed key pages, ``fp8_stages`` deep,
-#: ``fp8_gluon_tiles`` pages a program). H200, B=64, 128K: next_n = 2, H = 64 478 -> 352 us,
-#: H = 32 359 -> 295 us; next_n = 4, H = 64 985 -> 682 us. At next_n = 1 it was even with this
-#: module's kernel (97 % / 94-95 % of the copy ceiling both) and slower at 32K, H = 64, so that
-#: one stays (docs/bench-results/2026-11-29-h200-stop11/fp8_tma_probe.log).
+#: ``fp8_gluon_tiles`` pages a program). H200, B=64, 128K: next_n = 2, H = 64 481 -> 297 us,
+#: H = 32 360 -> 283 us; next_n = 4, H = 64 1000 -> 557 us. At next_n = 1 it is even with this
+#: module's kernel at 128K and slower at 32K, H = 32 (82 against 78 us), so that one stays
+#: (docs/bench-results/2026-11-29-h200-stop12/head_sum_mma_probe.log).
 DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 8, "num_warps": 4, "num_stages": 2, "maxnreg": 64, "maxnreg_rows": 96,
                  "maxnreg_cols": 64, "split_rows": {2: 64}, "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table",
                  "fp8_kernel": {2: "gluon", 3: "gluon", 4: "gluon"}, "fp8_gluon_tiles": 32, "fp8_stages": 4}
