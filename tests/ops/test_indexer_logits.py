@@ -304,40 +304,49 @@ def test_prefill_gpu_shapes(fmt, heads):
     assert_close_to_reference(out, ref, fmt)
 
 
+def require_hopper(what):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip(f"the Gluon {what} decode is built for Hopper")
+
+
+def gluon_decode_case(fmt, next_n, heads, per_row):
+    """Inputs for the Gluon decode tests: 6 requests over 300 pages, block-table entries that
+    are -1, one past the pool and far past it, a table 40 positions short of the longest row,
+    and lengths 1, 64, 65, a partial last program and the full 9000 columns (per request),
+    or ragged per-row lengths (``per_row``)."""
+    batch, num_pages, max_model_len = 6, 300, 9000
+    pool, pages = make_pool(fmt, num_pages, device="cuda")
+    q, w = random_queries(batch, next_n, heads, device="cuda")
+    table = torch.randint(0, num_pages, (batch, 140), dtype=torch.int32, device="cuda")
+    table[0, 0], table[3, 100], table[2, 5] = -1, num_pages, 10**6
+    if per_row:
+        lens = torch.randint(0, max_model_len + 1, (batch, next_n), dtype=torch.int32, device="cuda")
+        lens[0, 0], lens[1, -1], lens[2, 0] = 1, 65, max_model_len
+    else:
+        lens = torch.tensor([1, 64, 65, 8191, 9000, 130], dtype=torch.int32, device="cuda")
+    return pool, pages, q, w, table, lens, max_model_len
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads, next_n):
     """On Hopper the default MXFP4 decode is the Gluon kernel, not a silent fallback, at every
     next_n; it matches the Triton kernel and the reference, -1 and out-of-range pages included,
-    with per-request (next_n = 1) and ragged per-row lengths."""
-    from dsacache.ops.indexer_logits.triton_kernels import (
-        DECODE_CONFIG,
-        MXFP4_DECODE_CONFIG,
-        _gluon_decode,
-        launch_paged_decode,
-    )
+    with per-request (next_n = 1) and ragged per-row lengths, and leaves the pool untouched."""
+    from dsacache.ops.indexer_logits.triton_kernels import decode_kernel, launch_paged_decode
 
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon MXFP4 decode is built for Hopper")
-    batch, num_pages, max_model_len = 6, 300, 9000
-    pool, pages = make_pool("mxfp4", num_pages, device="cuda")
+    require_hopper("MXFP4")
+    pool, pages, q, w, table, lens, max_model_len = gluon_decode_case("mxfp4", next_n, heads, next_n > 1)
     values, scales = views("mxfp4", pages)
-    q, w = random_queries(batch, next_n, heads, device="cuda")
-    table = torch.randint(0, num_pages, (batch, 141), dtype=torch.int32, device="cuda")
-    table[0, 0], table[3, 100] = -1, num_pages
-    lens = torch.tensor([1, 64, 65, 8191, 9000, 130], dtype=torch.int32, device="cuda")
-    if next_n > 1:
-        lens = torch.randint(0, max_model_len + 1, (batch, next_n), dtype=torch.int32, device="cuda")
-        lens[0, 0], lens[1, -1], lens[2, 0] = 1, 65, max_model_len
-    assert _gluon_decode({**DECODE_CONFIG, **MXFP4_DECODE_CONFIG}, q, values, scales)
-    outs = {}
-    for kernel in ("gluon", "triton"):
-        outs[kernel] = torch.full((batch * next_n, max_model_len), float("nan"), device="cuda")
-        launch_paged_decode(q, w, lens, values, scales, table, outs[kernel], True, {"kernel": kernel})
+    assert decode_kernel(q, values, scales, True) == "gluon"
+    before = pool.clone()
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "mxfp4")
-    for out in outs.values():
+    for kernel in ("gluon", "triton"):
+        out = torch.full(ref.shape, float("nan"), device="cuda")
+        launch_paged_decode(q, w, lens, values, scales, table, out, True, {"kernel": kernel})
         assert_close_to_reference(out, ref, "mxfp4")
+    assert torch.equal(pool, before)
 
 
 @pytest.mark.gpu
@@ -346,8 +355,7 @@ def test_mxfp4_gluon_decode_needs_the_pool_page_layout():
     cut from the same pages run the Triton kernel instead, with the same result."""
     from dsacache.ops.indexer_logits.triton_kernels import decode_kernel, launch_paged_decode
 
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon MXFP4 decode is built for Hopper")
+    require_hopper("MXFP4")
     num_pages, max_model_len = 40, 1000
     _, pages = make_pool("mxfp4", num_pages, device="cuda")
     values, scales = views("mxfp4", pages)
@@ -374,26 +382,16 @@ def test_fp8_gluon_decode_matches_reference(heads, next_n, per_row):
     lengths 1, 64, 65 and a partial last program; by default it runs from next_n = 2 on."""
     from dsacache.ops.indexer_logits.triton_kernels import decode_kernel, launch_paged_decode
 
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon FP8 decode is built for Hopper")
-    batch, num_pages, max_model_len = 5, 400, 9000
-    pool, pages = make_pool("fp8", num_pages, device="cuda")
+    require_hopper("FP8")
+    pool, pages, q, w, table, lens, max_model_len = gluon_decode_case("fp8", next_n, heads, per_row)
     values, scales = views("fp8", pages)
-    q, w = random_queries(batch, next_n, heads, device="cuda")
-    table = torch.randint(0, num_pages, (batch, 141), dtype=torch.int32, device="cuda")
-    table[0, 0], table[3, 100], table[2, 5] = -1, num_pages, 10**6
-    if per_row:
-        lens = torch.randint(0, max_model_len + 1, (batch, next_n), dtype=torch.int32, device="cuda")
-        lens[0, 0], lens[1, -1] = 1, 65
-    else:
-        lens = torch.tensor([1, 64, 65, 8191, 9000], dtype=torch.int32, device="cuda")
     gluon = {"fp8_kernel": "gluon"}
     assert decode_kernel(q, values, scales, False, gluon) == "gluon"
     assert decode_kernel(q, values, scales, False) == ("gluon" if next_n > 1 else "triton")
     before = pool.clone()
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "fp8")
     for config in (gluon, {"fp8_kernel": "triton"}):
-        out = torch.full((batch * next_n, max_model_len), float("nan"), device="cuda")
+        out = torch.full(ref.shape, float("nan"), device="cuda")
         launch_paged_decode(q, w, lens, values, scales, table, out, False, config)
         assert not torch.isnan(out).any(), "unwritten (NaN) logits"
         assert_close_to_reference(out, ref, "fp8")
