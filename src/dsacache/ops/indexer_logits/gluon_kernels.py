@@ -177,11 +177,7 @@ def paged_decode_mxfp4_kernel(
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
-    # Row bookkeeping in the head-sum product's [64, 4 rows] layout (column pairs 2r, 2r + 1).
-    ncol = gl.arange(0, 8, layout=gl.SliceLayout(0, _sum_mma_layout()))
-    len_col = _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N, PER_ROW)
-    longest = _longest_row(lens_ptr, b, max_model_len, NEXT_N, PER_ROW)
-    num_scored = gl.minimum(gl.maximum(gl.cdiv(longest - col0, PAGE), 0), TILES)
+    ncol, len_col, num_scored = _program_rows(lens_ptr, b, col0, max_model_len, NEXT_N, PER_ROW, TILES)
 
     # Queries [N, D] in the key column order (_table_columns), as the B operand in shared memory
     # (row n: query row n // H, head n % H; rows past NEXT_N zero).
@@ -349,6 +345,17 @@ def _longest_row(lens_ptr, b, max_model_len, NEXT_N: gl.constexpr, PER_ROW: gl.c
 
 
 @gluon.jit
+def _program_rows(lens_ptr, b, col0, max_model_len, NEXT_N: gl.constexpr, PER_ROW: gl.constexpr,
+                  TILES: gl.constexpr):
+    """A program's row bookkeeping, in the head-sum product's [64, 4 rows] layout (column pairs
+    2r, 2r + 1): (the columns [8], each column's row length, the pages the program scores)."""
+    ncol = gl.arange(0, 8, layout=gl.SliceLayout(0, _sum_mma_layout()))
+    len_col = _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N, PER_ROW)
+    longest = _longest_row(lens_ptr, b, max_model_len, NEXT_N, PER_ROW)
+    return ncol, len_col, gl.minimum(gl.maximum(gl.cdiv(longest - col0, 64), 0), TILES)
+
+
+@gluon.jit
 def _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N: gl.constexpr):
     """[64 tokens, 4 rows] tensors in the layout of ``_mma_head_sums``: token index, row length,
     output pointer at the program's first column, and whether the row exists (row < NEXT_N)."""
@@ -410,12 +417,7 @@ def paged_decode_fp8_kernel(
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
-
-    # Row bookkeeping in the head-sum product's [64, 4 rows] layout (column pairs 2r, 2r + 1).
-    ncol = gl.arange(0, 8, layout=gl.SliceLayout(0, _sum_mma_layout()))
-    len_col = _row_lengths(lens_ptr, b, ncol, max_model_len, NEXT_N, PER_ROW)
-    longest = _longest_row(lens_ptr, b, max_model_len, NEXT_N, PER_ROW)
-    num_scored = gl.minimum(gl.maximum(gl.cdiv(longest - col0, PAGE), 0), TILES)
+    ncol, len_col, num_scored = _program_rows(lens_ptr, b, col0, max_model_len, NEXT_N, PER_ROW, TILES)
 
     # The key ring: the first STAGES pages start loading before anything else.
     entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, TILES, STAGES)
