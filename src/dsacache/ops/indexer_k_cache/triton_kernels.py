@@ -182,9 +182,10 @@ def _load_pair_halves(ptr, pair, mask, FP32_PAIRS: tl.constexpr):
 
 #: MXFP4 encoders (``ENCODE``): 0 the first one (per-element sign, byte-wise packing, int64 slot
 #: math, byte scale stores); 1 the leaner one below (~3.5 fewer instructions an element); 2 the
-#: fused LayerNorm store as a tile loop (``_norm_store_mxfp4_loop_kernel``, the bytes of 1; 1M tokens
-#: on the H200: 150 -> 133 us), for batches from ``_LARGE_BATCH`` tokens with bf16 keys and fp32
-#: LayerNorm parameters; otherwise, and for the store without the norm, 2 runs as 1.
+#: fused LayerNorm store as a tile loop (``_norm_store_mxfp4_loop_kernel``, the encoder of 1; 1M
+#: tokens on the H200: 150 -> 133 us, and 133 -> 126 us with the LayerNorm moments on the tensor
+#: cores), for batches from ``_LARGE_BATCH`` tokens with bf16 keys and fp32 LayerNorm parameters;
+#: otherwise, and for the store without the norm, 2 runs as 1.
 MXFP4_ENCODE = 2
 
 # |y| of a LayerNorm output goes through ``mul.sat`` at 1/8 scale: [0, 0.75] for finite values,
@@ -457,11 +458,10 @@ def _norm_store_mxfp4_tile(
     FINITE: tl.constexpr,
 ):
     """One tile of :func:`_norm_store_mxfp4_loop_kernel`: keys as bf16 pairs ``[G, T, 4, 4]`` and
-    their slots ``[T]`` (-1 or past the pool: skipped) -> LayerNorm, encode, store."""
-    offs_g = tl.arange(0, D // 32)
+    their slots ``[T]`` (-1 or past the pool: skipped) -> LayerNorm (two passes: mean, then the
+    variance of the centred values), encode, store."""
     even = (bits << 16).to(tl.float32, bitcast=True)
     odd = (bits & -65536).to(tl.float32, bitcast=True)
-    valid = (slot >= 0) & (slot < num_slots)
     mean = (_row_sum(even + odd) / D)[None, :, None, None]
     even = even - mean
     odd = odd - mean
@@ -469,6 +469,19 @@ def _norm_store_mxfp4_tile(
     rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))[None, :, None, None]
     even = even * rstd * w_even + b_even
     odd = odd * rstd * w_odd + b_odd
+    _encode_store_mxfp4_tile(even, odd, slot, pages_ptr, num_slots, page_stride, D, PAGE, INTERPRET, STREAM, KEEP,
+                             FINITE)
+
+
+@triton.jit
+def _encode_store_mxfp4_tile(
+    even, odd, slot, pages_ptr, num_slots, page_stride,
+    D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
+    FINITE: tl.constexpr,
+):
+    """LayerNorm outputs ``[G, T, 4, 4]`` (even and odd elements) -> MXFP4 words and scales at their slots."""
+    offs_g = tl.arange(0, D // 32)
+    valid = (slot >= 0) & (slot < num_slots)
     exp, v_even, v_odd = _mxfp4_norm_codes(even, odd, True, INTERPRET, FINITE)
     words = _pack_e2m1_words(v_even, v_odd, even, odd, INTERPRET)                   # [G, BLOCK_T, 4]
     slot32 = slot.to(tl.int32).to(tl.uint32, bitcast=True)
@@ -484,12 +497,161 @@ def _norm_store_mxfp4_tile(
              eviction_policy=KEEP)
 
 
+# Row sums and sums of squares of bf16 keys on the tensor cores. The tile layout puts a token's
+# four 32-value groups on the four lanes of a quad (lane = 4 g + c): the A-row layout of an
+# m16n8 mma, whose row g (and g + 8) is what quad g holds. With B all ones every column of
+# rows g and g + 8 sums quad g's words: four m16n8k16 over a thread's 16 words, $0 = d0 + d2.
+# For squares B is a word of the thread's own (B column g = the same word of quad g): an
+# m16n8k8 with A = words (2i, 2i + 1) and B = word 2i puts the squares of word 2i on the
+# diagonal D[g][g] of one accumulator (q), with B = word 2i + 1 those of word 2i + 1 on
+# D[g + 8][g] of another (r); both sit on lane 4 g + g / 2 and a shuffle hands them out ($1).
+# A is always a quad or pair of registers as loaded (no moves). bf16 products are exact in
+# fp32; only the order of the fp32 sums differs from a serial loop. $2..$17: the thread's 16
+# words in load order (16-byte loads: words 4j..4j + 3 in consecutive registers).
+_ROW_MOMENTS_ASM = tl.constexpr("""{
+.reg .f32 s<4>, q<4>, r<4>, lo, hi;
+.reg .b32 one, lane, g, src, odd;
+.reg .pred p;
+mov.b32 one, 0x3F803F80;
+mov.f32 s0, 0f00000000; mov.f32 s1, 0f00000000; mov.f32 s2, 0f00000000; mov.f32 s3, 0f00000000;
+mov.f32 q0, 0f00000000; mov.f32 q1, 0f00000000; mov.f32 q2, 0f00000000; mov.f32 q3, 0f00000000;
+mov.f32 r0, 0f00000000; mov.f32 r1, 0f00000000; mov.f32 r2, 0f00000000; mov.f32 r3, 0f00000000;
+""" + "".join(
+    f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{s0,s1,s2,s3}}, {{${i},${i + 1},${i + 2},${i + 3}}}, "
+    "{one,one}, {s0,s1,s2,s3};\n" for i in (2, 6, 10, 14)) + "".join(
+    f"mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {{q0,q1,q2,q3}}, {{${i},${i + 1}}}, {{${i}}}, "
+    "{q0,q1,q2,q3};\n"
+    f"mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {{r0,r1,r2,r3}}, {{${i},${i + 1}}}, {{${i + 1}}}, "
+    "{r0,r1,r2,r3};\n" for i in range(2, 18, 2)) + """add.f32 $0, s0, s2;
+add.f32 lo, q0, r2;
+add.f32 hi, q1, r3;
+mov.u32 lane, %laneid;
+shr.u32 g, lane, 2;
+and.b32 odd, g, 1;
+setp.ne.u32 p, odd, 0;
+selp.f32 lo, hi, lo, p;
+shr.u32 odd, g, 1;
+shl.b32 g, g, 2;
+or.b32 src, g, odd;
+shfl.sync.idx.b32 $1, lo, src, 0x1f, 0xffffffff;
+}""")
+
+
+@triton.jit
+def _split2(x):
+    """[G, T, 2n] -> two [G, T, n]: elements 0, 2, ... and 1, 3, ... (in-thread, no data movement)."""
+    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1], x.shape[2] // 2, 2)))
+
+
+@triton.jit
+def _split4(x):
+    a, b = _split2(x)
+    a0, a1 = _split2(a)
+    b0, b1 = _split2(b)
+    return a0, a1, b0, b1
+
+
+@triton.jit
+def _row_moments(bits, INTERPRET: tl.constexpr):
+    """Keys as bf16 pairs ``[G, T, 4, 4]`` -> (sum, sum of squares) of each token's D values,
+    ``[G, T]`` on the GPU (equal over G) and ``[1, T]`` in the interpreter."""
+    if INTERPRET:
+        even = (bits << 16).to(tl.float32, bitcast=True)
+        odd = (bits & -65536).to(tl.float32, bitcast=True)
+        return _row_sum(even + odd)[None, :], _row_sum(even * even + odd * odd)[None, :]
+    else:
+        G: tl.constexpr = bits.shape[0]
+        T: tl.constexpr = bits.shape[1]
+        w = tl.reshape(bits, (G, T, 16))
+        a, b, c, d = _split4(w)                     # [G, T, 4] each
+        a0, a1, a2, a3 = _split4(a)
+        b0, b1, b2, b3 = _split4(b)
+        c0, c1, c2, c3 = _split4(c)
+        d0, d1, d2, d3 = _split4(d)
+        a0 = tl.reshape(a0, (G, T))
+        a1 = tl.reshape(a1, (G, T))
+        a2 = tl.reshape(a2, (G, T))
+        a3 = tl.reshape(a3, (G, T))
+        b0 = tl.reshape(b0, (G, T))
+        b1 = tl.reshape(b1, (G, T))
+        b2 = tl.reshape(b2, (G, T))
+        b3 = tl.reshape(b3, (G, T))
+        c0 = tl.reshape(c0, (G, T))
+        c1 = tl.reshape(c1, (G, T))
+        c2 = tl.reshape(c2, (G, T))
+        c3 = tl.reshape(c3, (G, T))
+        d0 = tl.reshape(d0, (G, T))
+        d1 = tl.reshape(d1, (G, T))
+        d2 = tl.reshape(d2, (G, T))
+        d3 = tl.reshape(d3, (G, T))
+        # _split4 hands out words 0, 8, 4, 12 of a (and so on): back to load order.
+        return tl.inline_asm_elementwise(
+            _ROW_MOMENTS_ASM, "=f,=f" + ",r" * 16,
+            [a0, c0, b0, d0, a2, c2, b2, d2, a1, c1, b1, d1, a3, c3, b3, d3],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _rsqrt(x, INTERPRET: tl.constexpr):
+    """``1 / sqrt(x)`` for normal ``x``: one ``rsqrt.approx`` (relative error under 2**-22.9)."""
+    if INTERPRET:
+        return 1.0 / tl.sqrt(x)
+    else:
+        return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _norm_store_mxfp4_tile_moments(
+    bits, slot, pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even, b_odd,
+    D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
+):
+    """:func:`_norm_store_mxfp4_tile` with the variance from raw moments taken on the tensor cores
+    (``var = E[x**2] - mean**2``) and ``y = (x * rstd - mean * rstd) * w + b``: two FMAs an element
+    for the whole LayerNorm instead of five. The raw moments lose about ``log2(mean**2 / var)``
+    bits of the variance to cancellation, so a tile with a token past ``mean**2 > 16 var`` (or
+    a sum of squares that is not finite) takes the two-pass tile instead. Only for LayerNorm
+    parameters that keep every output finite (the loop's ``FINITE`` copy)."""
+    total, squares = _row_moments(bits, INTERPRET)
+    mean = total * (1.0 / D)
+    var = squares * (1.0 / D) - mean * mean
+    well = (var * 16.0 >= mean * mean) & (squares <= 3.0e38)
+    if tl.min(well.to(tl.int32)) == 1:
+        rstd = _rsqrt(var + eps, INTERPRET)
+        shift = (-mean * rstd)[:, :, None, None]
+        rstd = rstd[:, :, None, None]
+        even = (bits << 16).to(tl.float32, bitcast=True)
+        odd = (bits & -65536).to(tl.float32, bitcast=True)
+        even = (even * rstd + shift) * w_even + b_even
+        odd = (odd * rstd + shift) * w_odd + b_odd
+        _encode_store_mxfp4_tile(even, odd, slot, pages_ptr, num_slots, page_stride, D, PAGE, INTERPRET, STREAM,
+                                 KEEP, True)
+    else:
+        _norm_store_mxfp4_tile(bits, slot, pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even, b_odd,
+                               D, PAGE, INTERPRET, STREAM, KEEP, True)
+
+
+@triton.jit
+def _norm_store_mxfp4_tile_any(
+    bits, slot, pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even, b_odd,
+    D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
+    FINITE: tl.constexpr, MOMENTS: tl.constexpr,
+):
+    if MOMENTS and FINITE:
+        _norm_store_mxfp4_tile_moments(bits, slot, pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even,
+                                       b_odd, D, PAGE, INTERPRET, STREAM, KEEP)
+    else:
+        _norm_store_mxfp4_tile(bits, slot, pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even, b_odd,
+                               D, PAGE, INTERPRET, STREAM, KEEP, FINITE)
+
+
 @triton.jit
 def _norm_store_mxfp4_tiles(
     k_ptr, slot_ptr, pages_ptr, num_tokens, num_slots, stride_kt, page_stride, eps,
     w_even, w_odd, b_even, b_odd, pair,
     D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr,
     STREAM: tl.constexpr, KEEP: tl.constexpr, PREFETCH: tl.constexpr, FINITE: tl.constexpr,
+    MOMENTS: tl.constexpr,
 ):
     """The tile loop of :func:`_norm_store_mxfp4_loop_kernel` (tiles program_id, + programs, ...).
 
@@ -510,14 +672,14 @@ def _norm_store_mxfp4_tiles(
         for t in range(tile, num_tiles, loop_bound(2 * step)):
             bits_b, slot_b = _load_key_pairs(k_ptr, slot_ptr, (t + step) * BLOCK_T + offs_tt, pair, num_tokens,
                                              stride_kt, STREAM)
-            _norm_store_mxfp4_tile(bits_a, slot_a, *params, D, PAGE, INTERPRET, STREAM, KEEP, FINITE)
+            _norm_store_mxfp4_tile_any(bits_a, slot_a, *params, D, PAGE, INTERPRET, STREAM, KEEP, FINITE, MOMENTS)
             bits_a, slot_a = _load_key_pairs(k_ptr, slot_ptr, (t + 2 * step) * BLOCK_T + offs_tt, pair, num_tokens,
                                              stride_kt, STREAM)
-            _norm_store_mxfp4_tile(bits_b, slot_b, *params, D, PAGE, INTERPRET, STREAM, KEEP, FINITE)
+            _norm_store_mxfp4_tile_any(bits_b, slot_b, *params, D, PAGE, INTERPRET, STREAM, KEEP, FINITE, MOMENTS)
     else:
         for t in range(tile, num_tiles, step):
             bits, slot = _load_key_pairs(k_ptr, slot_ptr, t * BLOCK_T + offs_tt, pair, num_tokens, stride_kt, STREAM)
-            _norm_store_mxfp4_tile(bits, slot, *params, D, PAGE, INTERPRET, STREAM, KEEP, FINITE)
+            _norm_store_mxfp4_tile_any(bits, slot, *params, D, PAGE, INTERPRET, STREAM, KEEP, FINITE, MOMENTS)
 
 
 @triton.jit
@@ -528,12 +690,15 @@ def _norm_store_mxfp4_loop_kernel(
     pages_ptr,      # uint8 base of the layer's pages [num_pages, PAGE, entry], 4-byte aligned
     num_tokens, num_slots, stride_kt, page_stride, eps,
     D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr,
-    HINTS: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr,
+    HINTS: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr, MOMENTS: tl.constexpr,
 ):
     # The fused LayerNorm + MXFP4 store of _store_mxfp4_kernel (ENCODE=1: same layout, one
-    # thread a 32-value group, and the same arithmetic, so the same bytes) as a loop over tiles
-    # of BLOCK_T tokens. Weight and bias stay in registers (reloading them each tile was a third
-    # of the L1 requests); with PREFETCH the next tile's keys load while this one is computed.
+    # thread a 32-value group, and the same encoder) as a loop over tiles of BLOCK_T tokens.
+    # Weight and bias stay in registers (reloading them each tile was a third of the L1
+    # requests); with PREFETCH the next tile's keys load while this one is computed. MOMENTS
+    # (on the FAST copy only): the LayerNorm statistics come from the tensor cores
+    # (_norm_store_mxfp4_tile_moments; the bytes of ENCODE=1 but for LayerNorm last bits,
+    # ~2e-7 of the codes on random keys).
     # FAST: with |weight|, |bias| <= 2**100 and eps >= 2**-100 no LayerNorm output is inf
     # (|(k - mean) * rstd| <= sqrt(D), or tiny when the variance underflows), so the encoder drops
     # its inf guards (2 instructions an element); checked once a program, and a separate copy of
@@ -554,9 +719,9 @@ def _norm_store_mxfp4_loop_kernel(
         wb_max = tl.max(tl.max(tl.max(tl.max(wb_max, axis=3), axis=2), axis=1), axis=0)
         finite = (wb_max <= 2.0 ** 100) & (eps >= 2.0 ** -100)
     if finite:
-        _norm_store_mxfp4_tiles(*args, D, PAGE, INTERPRET, BLOCK_T, STREAM, KEEP, PREFETCH, True)
+        _norm_store_mxfp4_tiles(*args, D, PAGE, INTERPRET, BLOCK_T, STREAM, KEEP, PREFETCH, True, MOMENTS)
     else:
-        _norm_store_mxfp4_tiles(*args, D, PAGE, INTERPRET, BLOCK_T, STREAM, KEEP, PREFETCH, False)
+        _norm_store_mxfp4_tiles(*args, D, PAGE, INTERPRET, BLOCK_T, STREAM, KEEP, PREFETCH, False, MOMENTS)
 
 
 def _tokens_per_program(num_tokens: int, block: int) -> int:
@@ -620,11 +785,17 @@ def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tenso
 
 def launch_norm_mxfp4_loop(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tensor,
                            weight: torch.Tensor, bias: torch.Tensor, eps: float, *, hints: int,
-                           tokens_per_tile: int = 16, num_warps: int = 2, programs_per_sm: int = 10,
-                           prefetch: bool = True, fast: bool = True, maxnreg: int | None = None) -> None:
+                           tokens_per_tile: int = 8, num_warps: int = 1, programs_per_sm: int = 20,
+                           prefetch: bool = True, fast: bool = True, maxnreg: int | None = None,
+                           moments: bool = True) -> None:
     """Fused LayerNorm + MXFP4 store by ``_norm_store_mxfp4_loop_kernel`` (``mxfp4_variant=2``): bf16
     keys with contiguous rows, fp32 ``weight``/``bias``, ``head_dim`` a multiple of 128 and a power
     of two (:func:`launch_store` checks). ``programs_per_sm`` x SMs programs loop over the tiles.
+
+    The defaults were fastest at 1M tokens on the H200 (``kstore_moments_probe*.log``): one warp,
+    8-token tiles (the moments' all-tokens-well-conditioned test is then one warp reduction, no
+    barrier), 20 programs an SM. ``moments=False`` keeps the two-pass LayerNorm of variant 1
+    (16-token tiles and 2 warps were its best shape: pass them too).
     """
     num_tokens, head_dim = k.shape
     grid = (min(triton.cdiv(num_tokens, tokens_per_tile), programs_per_sm * (sm_count(k.device) or 4)),)
@@ -632,7 +803,7 @@ def launch_norm_mxfp4_loop(k: torch.Tensor, pages: torch.Tensor, slot_mapping: t
         k, weight, bias, slot_mapping, pages,
         num_tokens, pages.shape[0] * KERNEL_PAGE_SIZE, k.stride(0), pages.stride(0), float(eps),
         D=head_dim, PAGE=KERNEL_PAGE_SIZE, INTERPRET=interpreting(), BLOCK_T=tokens_per_tile,
-        HINTS=hints, PREFETCH=prefetch, FAST=fast, num_warps=num_warps,
+        HINTS=hints, PREFETCH=prefetch, FAST=fast, MOMENTS=moments, num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
 
