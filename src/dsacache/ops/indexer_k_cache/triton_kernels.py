@@ -728,21 +728,35 @@ def _tokens_per_program(num_tokens: int, block: int) -> int:
     return max(1, min(triton.next_power_of_2(num_tokens), _ELEMENTS_PER_PROGRAM // block, 64))
 
 
+#: Up to this many tokens a store is one-warp programs of SMALL_TOKENS_PER_PROGRAM tokens: its time is
+#: latency (a launch, one memory round trip and the reductions), and one warp keeps the reductions
+#: out of shared memory. H200, in a CUDA graph, two runs (``small_store_probe*.log``): MXFP4 fused
+#: 1.72-1.75 -> 1.54-1.55 us at 1 token, 1.87-1.89 -> 1.64-1.66 us at 64; FP8 the same or better,
+#: within the +-0.15 us that one shape moves between timings.
+SMALL_BATCH = 64
+SMALL_TOKENS_PER_PROGRAM = 2
+
+
 def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tensor, fmt: str,
                  weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 eps: float = 0.0, tokens_per_program: int | None = None, num_warps: int = 2,
+                 eps: float = 0.0, tokens_per_program: int | None = None, num_warps: int | None = None,
                  hints: int | None = None, mxfp4_variant: int | None = None) -> None:
     """Quantize ``k [T, D]`` (LayerNorm first when ``weight`` is given) into ``pages`` at ``slot_mapping``.
 
     ``tokens_per_program`` and ``num_warps`` override the launch shape (the benchmark sweeps them;
     at 1M tokens on the H200: FP8 16 tokens and 2 warps, MXFP4 32 tokens and 2 warps; the MXFP4
-    tile loop, variant 2, has its own in :func:`launch_norm_mxfp4_loop`); ``hints`` overrides
+    tile loop, variant 2, has its own in :func:`launch_norm_mxfp4_loop`; up to :data:`SMALL_BATCH`
+    tokens, one warp and :data:`SMALL_TOKENS_PER_PROGRAM` tokens); ``hints`` overrides
     :data:`STORE_HINTS` and ``mxfp4_variant`` :data:`MXFP4_ENCODE`.
     """
     hints = STORE_HINTS if hints is None else hints
     num_tokens, head_dim = k.shape
     if num_tokens == 0:
         return
+    if num_tokens <= SMALL_BATCH:
+        tokens_per_program = tokens_per_program or SMALL_TOKENS_PER_PROGRAM
+        num_warps = num_warps or 1
+    num_warps = num_warps or 2
     if pages.stride(1) * KERNEL_PAGE_SIZE > pages.stride(0) and pages.shape[0] > 1:
         raise ValueError("pages overlap: stride(0) is smaller than one page")
     if pages.stride(2) != 1:
