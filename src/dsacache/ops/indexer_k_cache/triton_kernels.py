@@ -544,11 +544,16 @@ def _split2(x):
 
 
 @triton.jit
-def _split4(x):
+def _split4(x, FLAT: tl.constexpr = False):
+    """[G, T, 4n] -> elements 0, 2, 1, 3 (mod 4) as four [G, T, n] (``FLAT``, n = 1: [G, T])."""
     a, b = _split2(x)
     a0, a1 = _split2(a)
     b0, b1 = _split2(b)
-    return a0, a1, b0, b1
+    if FLAT:
+        shape: tl.constexpr = (x.shape[0], x.shape[1])
+        return tl.reshape(a0, shape), tl.reshape(a1, shape), tl.reshape(b0, shape), tl.reshape(b1, shape)
+    else:
+        return a0, a1, b0, b1
 
 
 @triton.jit
@@ -560,34 +565,14 @@ def _row_moments(bits, INTERPRET: tl.constexpr):
         odd = (bits & -65536).to(tl.float32, bitcast=True)
         return _row_sum(even + odd)[None, :], _row_sum(even * even + odd * odd)[None, :]
     else:
-        G: tl.constexpr = bits.shape[0]
-        T: tl.constexpr = bits.shape[1]
-        w = tl.reshape(bits, (G, T, 16))
-        a, b, c, d = _split4(w)                     # [G, T, 4] each
-        a0, a1, a2, a3 = _split4(a)
-        b0, b1, b2, b3 = _split4(b)
-        c0, c1, c2, c3 = _split4(c)
-        d0, d1, d2, d3 = _split4(d)
-        a0 = tl.reshape(a0, (G, T))
-        a1 = tl.reshape(a1, (G, T))
-        a2 = tl.reshape(a2, (G, T))
-        a3 = tl.reshape(a3, (G, T))
-        b0 = tl.reshape(b0, (G, T))
-        b1 = tl.reshape(b1, (G, T))
-        b2 = tl.reshape(b2, (G, T))
-        b3 = tl.reshape(b3, (G, T))
-        c0 = tl.reshape(c0, (G, T))
-        c1 = tl.reshape(c1, (G, T))
-        c2 = tl.reshape(c2, (G, T))
-        c3 = tl.reshape(c3, (G, T))
-        d0 = tl.reshape(d0, (G, T))
-        d1 = tl.reshape(d1, (G, T))
-        d2 = tl.reshape(d2, (G, T))
-        d3 = tl.reshape(d3, (G, T))
-        # _split4 hands out words 0, 8, 4, 12 of a (and so on): back to load order.
+        a, b, c, d = _split4(tl.reshape(bits, (bits.shape[0], bits.shape[1], 16)))   # words 0, 2, 1, 3 mod 4
+        a0, a1, a2, a3 = _split4(a, True)          # words 0, 8, 4, 12
+        b0, b1, b2, b3 = _split4(b, True)          # 2, 10, 6, 14
+        c0, c1, c2, c3 = _split4(c, True)          # 1, 9, 5, 13
+        d0, d1, d2, d3 = _split4(d, True)          # 3, 11, 7, 15
         return tl.inline_asm_elementwise(
             _ROW_MOMENTS_ASM, "=f,=f" + ",r" * 16,
-            [a0, c0, b0, d0, a2, c2, b2, d2, a1, c1, b1, d1, a3, c3, b3, d3],
+            [a0, c0, b0, d0, a2, c2, b2, d2, a1, c1, b1, d1, a3, c3, b3, d3],     # load order
             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
@@ -637,6 +622,7 @@ def _norm_store_mxfp4_tile_any(
     D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
     FINITE: tl.constexpr, MOMENTS: tl.constexpr,
 ):
+    """One tile: the tensor-core moments where they apply (``MOMENTS`` on the ``FINITE`` copy), else two passes."""
     if MOMENTS and FINITE:
         _norm_store_mxfp4_tile_moments(bits, slot, pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even,
                                        b_odd, D, PAGE, INTERPRET, STREAM, KEEP)
