@@ -329,8 +329,7 @@ def _store_mxfp4_kernel(
         # bf16 keys with contiguous rows: one 32-bit load per pair, bf16 -> fp32 is a shift or a mask.
         bits = tl.load(rows.to(tl.pointer_type(tl.int32)) + pair, mask=mask, other=0,
                        eviction_policy=STREAM)
-        even = (bits << 16).to(tl.float32, bitcast=True)
-        odd = (bits & -65536).to(tl.float32, bitcast=True)
+        even, odd = _bf16_pair_halves(bits)
     else:
         even = tl.load(rows + (2 * pair) * stride_kd, mask=mask, other=0.0,
                        eviction_policy=STREAM).to(tl.float32)
@@ -452,6 +451,12 @@ def _load_key_pairs(k_ptr, slot_ptr, offs_t, pair, num_tokens, stride_kt, STREAM
 
 
 @triton.jit
+def _bf16_pair_halves(bits):
+    """32-bit words of two bf16 values -> (the low one, the high one) as fp32 (exact)."""
+    return (bits << 16).to(tl.float32, bitcast=True), (bits & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _norm_store_mxfp4_tile(
     bits, slot, pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even, b_odd,
     D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
@@ -460,8 +465,7 @@ def _norm_store_mxfp4_tile(
     """One tile of :func:`_norm_store_mxfp4_loop_kernel`: keys as bf16 pairs ``[G, T, 4, 4]`` and
     their slots ``[T]`` (-1 or past the pool: skipped) -> LayerNorm (two passes: mean, then the
     variance of the centred values), encode, store."""
-    even = (bits << 16).to(tl.float32, bitcast=True)
-    odd = (bits & -65536).to(tl.float32, bitcast=True)
+    even, odd = _bf16_pair_halves(bits)
     mean = (_row_sum(even + odd) / D)[None, :, None, None]
     even = even - mean
     odd = odd - mean
@@ -561,8 +565,7 @@ def _row_moments(bits, INTERPRET: tl.constexpr):
     """Keys as bf16 pairs ``[G, T, 4, 4]`` -> (sum, sum of squares) of each token's D values,
     ``[G, T]`` on the GPU (equal over G) and ``[1, T]`` in the interpreter."""
     if INTERPRET:
-        even = (bits << 16).to(tl.float32, bitcast=True)
-        odd = (bits & -65536).to(tl.float32, bitcast=True)
+        even, odd = _bf16_pair_halves(bits)
         return _row_sum(even + odd)[None, :], _row_sum(even * even + odd * odd)[None, :]
     else:
         a, b, c, d = _split4(tl.reshape(bits, (bits.shape[0], bits.shape[1], 16)))   # words 0, 2, 1, 3 mod 4
@@ -605,8 +608,7 @@ def _norm_store_mxfp4_tile_moments(
         rstd = _rsqrt(var + eps, INTERPRET)
         shift = (-mean * rstd)[:, :, None, None]
         rstd = rstd[:, :, None, None]
-        even = (bits << 16).to(tl.float32, bitcast=True)
-        odd = (bits & -65536).to(tl.float32, bitcast=True)
+        even, odd = _bf16_pair_halves(bits)
         even = (even * rstd + shift) * w_even + b_even
         odd = (odd * rstd + shift) * w_odd + b_odd
         _encode_store_mxfp4_tile(even, odd, slot, pages_ptr, num_slots, page_stride, D, PAGE, INTERPRET, STREAM,
