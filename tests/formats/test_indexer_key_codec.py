@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsacache.formats.indexer_key import (
-    check_indexer_pages,
+    indexer_pages_format,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_pages,
@@ -363,14 +363,28 @@ def test_mxfp4_page_views_alias_a_strided_pool():
 def test_page_view_checks():
     pool = _pool(2, 64 * 300)
     with pytest.raises(ValueError, match="uint8 view"):
-        check_indexer_pages(pool.view(torch.int8).as_strided((2, 64, 132), (19200, 132, 1)), 128, "fp8")
-    with pytest.raises(ValueError, match=r"\[num_pages, 64, 132\]"):
-        check_indexer_pages(_pages(pool, 2, 64 * 300, 130, 0), 128, "fp8")
-    with pytest.raises(ValueError, match=r"\[num_pages, 64, 68\]"):
-        check_indexer_pages(_pages(pool, 2, 64 * 300, 132, 0), 128, "mxfp4")
+        indexer_pages_format(pool.view(torch.int8).as_strided((2, 64, 132), (19200, 132, 1)), 128, "fp8")
+    with pytest.raises(ValueError, match=r"130 B a token do not hold fp8 keys of head_dim=128 \(132 B"):
+        indexer_pages_format(_pages(pool, 2, 64 * 300, 130, 0), 128, "fp8")
+    with pytest.raises(ValueError, match=r"132 B a token do not hold mxfp4 keys of head_dim=128 \(68 B"):
+        indexer_pages_format(_pages(pool, 2, 64 * 300, 132, 0), 128, "mxfp4")
+    with pytest.raises(ValueError, match=r"match no key format at head_dim=128; allowed widths: 132 \(fp8\), 68"):
+        indexer_pages_format(_pages(pool, 2, 64 * 300, 130, 0), 128)
     with pytest.raises(ValueError, match="overlaps"):
-        check_indexer_pages(pool.as_strided((2, 64, 132), (64 * 100, 132, 1)), 128, "fp8")
+        indexer_pages_format(pool.as_strided((2, 64, 132), (64 * 100, 132, 1)), 128, "fp8")
     with pytest.raises(ValueError, match="contiguous"):
-        check_indexer_pages(pool.as_strided((2, 64, 132), (64 * 300, 133, 1)), 128, "fp8")
+        indexer_pages_format(pool.as_strided((2, 64, 132), (64 * 300, 133, 1)), 128, "fp8")
     with pytest.raises(ValueError, match="indexer_kv_dtype='int4'"):
         dequantize_pages(_pages(pool, 2, 64 * 300, 132, 0), 128, "int4")
+
+
+def test_page_format_is_read_off_the_entry_width():
+    pool = _pool(2, 64 * 300)
+    assert indexer_pages_format(_pages(pool, 2, 64 * 300, 132, 0), 128).name == "fp8"
+    assert indexer_pages_format(_pages(pool, 2, 64 * 300, 68, 0), 128).name == "mxfp4"
+    assert indexer_pages_format(_pages(pool, 2, 64 * 300, 68, 0), 64).name == "fp8"  # 64 + 4
+    assert indexer_pages_format(_pages(pool, 2, 64 * 300, 132, 0), 128, "auto").name == "fp8"
+    with pytest.raises(ValueError, match="index_head_dim=48 must be a multiple of 32"):
+        indexer_pages_format(_pages(pool, 2, 64 * 300, 25, 0), 48, "mxfp4")
+    with pytest.raises(ValueError, match=r"allowed widths: 52 \(fp8\)$"):
+        indexer_pages_format(_pages(pool, 2, 64 * 300, 25, 0), 48)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dsacache.formats.indexer_key import fp8_page_views, mxfp4_page_views, quantize_fp8, quantize_mxfp4
-from dsacache.formats.sizes import KERNEL_PAGE_SIZE, indexer_entry_bytes
+from dsacache.formats.key_format import indexer_entry_bytes
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.indexer_logits import (
     paged_decode_logits,
     per_row_context_lens,

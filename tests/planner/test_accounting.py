@@ -14,7 +14,8 @@ import pytest
 
 from dsacache import CacheConfig, SpeculativeConfig, plan
 from dsacache.planner import accounting as acc
-from dsacache.formats.sizes import indexer_entry_bytes, mla_entry_bytes
+from dsacache.formats.key_format import indexer_entry_bytes
+from dsacache.formats.sizes import mla_entry_bytes
 
 K31 = "kimi-k3.1"
 KL48 = "kimi-linear-48b"

@@ -15,7 +15,8 @@ import torch
 
 from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
 from dsacache.formats.indexer_key import quantize_fp8, quantize_mxfp4
-from dsacache.formats.sizes import KERNEL_PAGE_SIZE, indexer_entry_bytes, mla_entry_bytes
+from dsacache.formats.key_format import indexer_entry_bytes
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE, mla_entry_bytes
 from dsacache.ops.indexer_k_cache import (
     dequantize_indexer_keys,
     fused_norm_store_indexer_keys,

@@ -18,7 +18,8 @@ import torch
 
 from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
 from dsacache.formats.indexer_key import fp8_page_views, mxfp4_page_views, quantize_fp8, quantize_mxfp4
-from dsacache.formats.sizes import KERNEL_PAGE_SIZE, indexer_entry_bytes
+from dsacache.formats.key_format import indexer_entry_bytes
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.indexer_logits import paged_decode_logits
 
 HEAD_DIM = 128

@@ -20,14 +20,8 @@ from dsacache.config.model import (
     load_config_dict,
     load_model,
 )
-from dsacache.formats.sizes import (
-    INDEXER_KV_DTYPES,
-    KERNEL_PAGE_SIZE,
-    KV_CACHE_DTYPES,
-    MXFP4_GROUP_SIZE,
-    mla_entry_bytes,
-    resolve_indexer_kv_dtype,
-)
+from dsacache.formats.key_format import INDEXER_KV_DTYPES, MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE, KV_CACHE_DTYPES, mla_entry_bytes
 
 #: TP size at which packed block sizes are computed, then scaled to the serving TP, so
 #: prefill and decode instances whose TP sizes divide it can exchange blocks.

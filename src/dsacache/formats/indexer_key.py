@@ -28,12 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from dsacache.formats.sizes import (
-    FP8_SCALE_BYTES,
-    KERNEL_PAGE_SIZE,
-    MXFP4_GROUP_SIZE,
-    indexer_entry_bytes,
-)
+from dsacache.formats.key_format import MXFP4_GROUP_SIZE, IndexerKeyFormat
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 
 FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
@@ -144,60 +140,61 @@ def dequantize_mxfp4(packed: torch.Tensor, scale_bytes: torch.Tensor) -> torch.T
     return (groups * scale).flatten(-2)
 
 
-def check_indexer_pages(pages: torch.Tensor, head_dim: int, indexer_kv_dtype: str) -> None:
-    """Raise ``ValueError`` unless ``pages`` is a paged indexer view for this format."""
-    entry = indexer_entry_bytes(head_dim, indexer_kv_dtype)
-    if pages.dtype != torch.uint8 or pages.dim() != 3:
+def indexer_pages_format(pages: torch.Tensor, head_dim: int,
+                         indexer_kv_dtype: str | IndexerKeyFormat | None = None) -> IndexerKeyFormat:
+    """The key format of a layer's paged indexer view, after checking the view; ``ValueError`` otherwise.
+
+    ``pages`` is ``[num_pages, 64, entry]`` uint8 with strides ``(page_stride, entry, 1)``.
+    Without ``indexer_kv_dtype`` the format is read off ``entry`` (what the pool handed
+    out); with it, the pages must match it.
+    """
+    if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 3:
         raise ValueError(
-            f"indexer pages must be a uint8 view [num_pages, {KERNEL_PAGE_SIZE}, {entry}], "
-            f"got {tuple(pages.shape)} {pages.dtype}"
+            f"indexer pages must be a uint8 view [num_pages, {KERNEL_PAGE_SIZE}, entry], "
+            f"got {tuple(getattr(pages, 'shape', ()))} {getattr(pages, 'dtype', type(pages).__name__)}"
         )
-    if pages.shape[1] != KERNEL_PAGE_SIZE or pages.shape[2] != entry:
-        raise ValueError(
-            f"indexer pages for {indexer_kv_dtype} keys of head_dim={head_dim} must be "
-            f"[num_pages, {KERNEL_PAGE_SIZE}, {entry}], got {tuple(pages.shape)}"
-        )
+    if pages.shape[1] != KERNEL_PAGE_SIZE:
+        raise ValueError(f"indexer pages must be [num_pages, {KERNEL_PAGE_SIZE}, entry], got {tuple(pages.shape)}")
+    fmt = IndexerKeyFormat.of_entry(pages.shape[2], head_dim, indexer_kv_dtype)
+    entry = fmt.entry_bytes
     if pages.shape[0] > 1 and pages.stride(0) < KERNEL_PAGE_SIZE * entry:
         raise ValueError(f"page stride {pages.stride(0)} overlaps pages of {KERNEL_PAGE_SIZE * entry} B")
     if pages.stride(1) != entry or pages.stride(2) != 1:
         raise ValueError("each indexer page must be contiguous: strides (page_stride, entry, 1)")
+    return fmt
 
 
 def _page_region(pages: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...], offset: int):
     return pages.as_strided(shape, strides, pages.storage_offset() + offset)
 
 
-def fp8_page_views(pages: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split FP8 indexer pages into (values ``[P, 64, D]`` e4m3, scales ``[P, 64]`` fp32) views.
+def split_indexer_pages(pages: torch.Tensor, fmt: IndexerKeyFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values ``[P, 64, value_bytes]``, scale bytes ``[P, 64, scale_bytes]``) uint8 views of checked pages.
 
     The views alias the pool: writing them writes the cache.
     """
-    check_indexer_pages(pages, head_dim, "fp8")
     num_pages, stride = pages.shape[0], pages.stride(0)
-    values = _page_region(pages, (num_pages, KERNEL_PAGE_SIZE, head_dim), (stride, head_dim, 1), 0)
-    scale_bytes = _page_region(
-        pages, (num_pages, KERNEL_PAGE_SIZE, FP8_SCALE_BYTES), (stride, FP8_SCALE_BYTES, 1),
-        KERNEL_PAGE_SIZE * head_dim,
-    )
-    return values.view(torch.float8_e4m3fn), scale_bytes.view(torch.float32).squeeze(-1)
+    values = _page_region(pages, (num_pages, KERNEL_PAGE_SIZE, fmt.value_bytes), (stride, fmt.value_bytes, 1), 0)
+    scales = _page_region(pages, (num_pages, KERNEL_PAGE_SIZE, fmt.scale_bytes), (stride, fmt.scale_bytes, 1),
+                          KERNEL_PAGE_SIZE * fmt.value_bytes)
+    return values, scales
+
+
+def fp8_page_views(pages: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split FP8 indexer pages into (values ``[P, 64, D]`` e4m3, scales ``[P, 64]`` fp32) views."""
+    values, scales = split_indexer_pages(pages, indexer_pages_format(pages, head_dim, "fp8"))
+    return values.view(torch.float8_e4m3fn), scales.view(torch.float32).squeeze(-1)
 
 
 def mxfp4_page_views(pages: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split MXFP4 indexer pages into (packed ``[P, 64, D/2]``, scale bytes ``[P, 64, D/32]``) uint8 views."""
-    check_indexer_pages(pages, head_dim, "mxfp4")
-    num_pages, stride = pages.shape[0], pages.stride(0)
-    half, groups = head_dim // 2, head_dim // MXFP4_GROUP_SIZE
-    packed = _page_region(pages, (num_pages, KERNEL_PAGE_SIZE, half), (stride, half, 1), 0)
-    scales = _page_region(
-        pages, (num_pages, KERNEL_PAGE_SIZE, groups), (stride, groups, 1), KERNEL_PAGE_SIZE * half
-    )
-    return packed, scales
+    return split_indexer_pages(pages, indexer_pages_format(pages, head_dim, "mxfp4"))
 
 
-def dequantize_pages(pages: torch.Tensor, head_dim: int, indexer_kv_dtype: str) -> torch.Tensor:
+def dequantize_pages(pages: torch.Tensor, head_dim: int,
+                     indexer_kv_dtype: str | IndexerKeyFormat | None = None) -> torch.Tensor:
     """Every token of every page as fp32 keys ``[P, 64, D]`` (reference reader)."""
-    if indexer_kv_dtype in ("auto", "fp8"):
-        return dequantize_fp8(*fp8_page_views(pages, head_dim))
-    if indexer_kv_dtype == "mxfp4":
+    fmt = indexer_pages_format(pages, head_dim, indexer_kv_dtype)
+    if fmt.is_mxfp4:
         return dequantize_mxfp4(*mxfp4_page_views(pages, head_dim))
-    raise ValueError(f"indexer_kv_dtype={indexer_kv_dtype!r}; allowed: auto, fp8, mxfp4")
+    return dequantize_fp8(*fp8_page_views(pages, head_dim))

@@ -27,6 +27,20 @@ def loop_bound(n):
     return n
 
 
+@triton.jit
+def block_table_page(bt_row, block, live, max_blocks, num_pages):
+    """(page id, usable) of block ``block`` of one request's block-table row ``bt_row``.
+
+    The rule of ``dsacache.runtime.block_table``: usable iff ``live``, ``0 <= block < max_blocks``
+    and ``0 <= page < num_pages``. The entry is loaded only inside the table; an unusable block
+    gives page ``-1``.
+    """
+    in_table = live & (block >= 0) & (block < max_blocks)
+    page = tl.load(bt_row + block, mask=in_table, other=-1)
+    ok = (page >= 0) & (page < num_pages)
+    return tl.where(ok, page, -1), ok
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int | None:
     """Streaming multiprocessors of a CUDA device (None elsewhere: the interpreter runs programs

@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 
 from dsacache.config.serving import CacheConfig
-from dsacache.formats.sizes import indexer_entry_bytes, mla_entry_bytes
+from dsacache.formats.key_format import indexer_entry_bytes
+from dsacache.formats.sizes import mla_entry_bytes
 
 CONV_STATE_ITEMSIZE = 2  # bf16
 RECURRENT_STATE_ITEMSIZE = 4  # fp32

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from dsacache.config.serving import CacheConfig, ConfigError
+from dsacache.formats.key_format import IndexerKeyFormat
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.planner import accounting as acc
 from dsacache.planner.accounting import StateShape
@@ -131,6 +132,13 @@ class CacheLayout:
     def indexer_kv_dtype(self) -> str:
         """Resolved indexer key format, ``"fp8"`` or ``"mxfp4"``."""
         return self.config.resolved_indexer_kv_dtype
+
+    @property
+    def indexer_key_format(self) -> IndexerKeyFormat | None:
+        """The indexer key format of every DSA layer's pages (None without an indexer); the ops
+        read the same format off the pages the pool hands out."""
+        head_dim = self.indexer_head_dim
+        return None if head_dim is None else IndexerKeyFormat.of(self.indexer_kv_dtype, head_dim)
 
     @property
     def mla_kv_cache_dtype(self) -> str:

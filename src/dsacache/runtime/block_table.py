@@ -4,6 +4,11 @@ A row of ``block_size`` tokens is ``pages_per_row`` kernel pages of 64 tokens; p
 of row ``r`` is kernel page ``r * pages_per_row + j`` (``docs/layout.md``). A request's
 block table is the concatenation of its rows' pages, cut to the pages its tokens use,
 and ``-1``-padded to the table width.
+
+The lookup rule every reader follows (defined here for PyTorch, in
+``dsacache.ops.triton_utils.block_table_page`` for Triton): block ``j`` of request ``b`` is
+usable iff ``0 <= j < width`` and its entry ``page`` satisfies ``0 <= page < num_pages``;
+an unusable block reads as nothing (no key, no slot) and is never dereferenced.
 """
 
 from __future__ import annotations
@@ -11,6 +16,39 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+
+def check_block_table(block_table: object, num_requests: int | None = None, *, name: str = "block_table",
+                      min_width: int = 0) -> None:
+    """``ValueError`` unless ``block_table`` is an int32 ``[num_requests, width]`` tensor, ``width >= min_width``."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
+        got = f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) else \
+            type(block_table).__name__
+        raise ValueError(f"{name} must be an int32 tensor [num_requests, max_blocks], got {got}")
+    if num_requests is not None and block_table.shape[0] != num_requests:
+        raise ValueError(f"{name} has {block_table.shape[0]} rows for {num_requests} requests")
+    if block_table.shape[1] < min_width:
+        raise ValueError(f"{name} must be at least {min_width} blocks wide, got {block_table.shape[1]}")
+
+
+def lookup_pages(block_table: torch.Tensor, requests: torch.Tensor, blocks: torch.Tensor,
+                 num_pages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 page ids, bool usable) of block ``blocks[i]`` of request ``requests[i]`` (broadcast).
+
+    Unusable blocks (outside the table, a negative entry, or an entry ``>= num_pages``) give
+    page ``-1`` and ``usable`` False, without indexing past the table.
+    """
+    width = block_table.shape[1]
+    in_table = (blocks >= 0) & (blocks < width)
+    if width == 0:
+        page = torch.full(torch.broadcast_shapes(requests.shape, blocks.shape), -1, dtype=torch.int64,
+                          device=block_table.device)
+    else:
+        page = block_table.long()[requests, blocks.clamp(0, width - 1)]
+    usable = in_table & (page >= 0)
+    if num_pages is not None:
+        usable &= page < num_pages
+    return torch.where(usable, page, torch.full_like(page, -1)), usable
 
 
 def kernel_pages(rows: Sequence[int], pages_per_row: int, num_pages: int) -> list[int]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from dsacache.formats.indexer_key import check_indexer_pages
-from dsacache.formats.sizes import KERNEL_PAGE_SIZE, MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
+from dsacache.formats.indexer_key import indexer_pages_format
+from dsacache.formats.key_format import MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.dispatch import check_same_device, use_triton
 from dsacache.ops.indexer_k_cache import naive
 
@@ -36,7 +37,7 @@ def _check_keys(k: torch.Tensor) -> int:
 
 
 def _check_pages(pages: torch.Tensor, head_dim: int, fmt: str) -> None:
-    check_indexer_pages(pages, head_dim, fmt)
+    indexer_pages_format(pages, head_dim, fmt)
     if fmt == "fp8" and (pages.data_ptr() % 4 or pages.stride(0) % 4):
         raise ValueError("FP8 indexer pages must be 4-byte aligned (address and page stride): scales are fp32")
 

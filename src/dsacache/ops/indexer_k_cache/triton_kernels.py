@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from dsacache.dispatch import interpreting
-from dsacache.formats.sizes import KERNEL_PAGE_SIZE, MXFP4_GROUP_SIZE
+from dsacache.formats.key_format import MXFP4_GROUP_SIZE
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.triton_utils import loop_bound, sm_count
 
 FORMAT_IDS = {"fp8": 0, "mxfp4": 1}

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dsacache.formats.indexer_key import check_indexer_pages, fp8_page_views, mxfp4_page_views
-from dsacache.formats.sizes import MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
+from dsacache.formats.indexer_key import indexer_pages_format, fp8_page_views, mxfp4_page_views
+from dsacache.formats.key_format import MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
 from dsacache.dispatch import check_same_device, use_triton
 from dsacache.ops.indexer_logits import naive
 
@@ -138,7 +138,7 @@ def paged_decode_logits(
     if not 1 <= next_n <= 8:
         raise ValueError(f"next_n={next_n}; allowed: 1..8")
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
-    check_indexer_pages(pages, head_dim, fmt)
+    indexer_pages_format(pages, head_dim, fmt)
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must be int32 [{batch}, max_blocks], "
                          f"got {tuple(block_table.shape)} {block_table.dtype}")
