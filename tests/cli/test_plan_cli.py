@@ -67,17 +67,17 @@ def write_config(tmp_path, raw, name="config.json"):
 def test_default_json_is_k31_tp8():
     out = plan_json("--kv-cache-memory-bytes", GIB48)
     check_contract(out)
-    assert out["block_size"] == 1216
+    assert out["block_size"] == 1024
     assert out["states_per_row"] == 23
-    assert out["row_bytes_per_token"] == 15840
+    assert out["row_bytes_per_token"] == 18912  # 24 x (656 + 132)
     assert out["index_bytes_per_token"] == 132
-    assert out["mla_bytes_per_token"] == 528
+    assert out["mla_bytes_per_token"] == 656  # fp8_ds_mla, 512 + 64: 512 + 16 + 128
     assert out["draft_bytes_per_token"] == 0
     assert out["state_bytes"] == 814080
     assert out["indexer_kv_dtype"] == "fp8"
-    assert out["num_rows"] == 2675  # 51,539,607,552 // (1216 x 15840)
-    assert out["token_capacity"] == 2675 * 1216
-    assert out["page_stride_bytes"] == 1013760
+    assert out["num_rows"] == 2661  # 51,539,607,552 // (1024 x 18912)
+    assert out["token_capacity"] == 2661 * 1024
+    assert out["page_stride_bytes"] == 1210368  # 64 x 18912
 
 
 def test_tp_list_prints_a_list():
@@ -85,7 +85,7 @@ def test_tp_list_prints_a_list():
     assert isinstance(out, list) and len(out) == 5
     for obj in out:
         check_contract(obj)
-    assert [o["block_size"] for o in out] == [9728, 4864, 2432, 1216, 640]
+    assert [o["block_size"] for o in out] == [8192, 4096, 2048, 1024, 512]
     assert [o["state_bytes"] for o in out] == [6512640, 3256320, 1628160, 814080, 407040]
     assert [o["tensor_parallel_size"] for o in out] == [1, 2, 4, 8, 16]
 
@@ -93,7 +93,7 @@ def test_tp_list_prints_a_list():
 def test_single_item_tp_list_prints_an_object():
     out = plan_json("-tp", "4")
     assert isinstance(out, dict)
-    assert out["block_size"] == 2432
+    assert out["block_size"] == 2048
 
 
 def test_mxfp4_and_dtype_options():
@@ -101,18 +101,19 @@ def test_mxfp4_and_dtype_options():
     check_contract(out)
     assert out["indexer_kv_dtype"] == "mxfp4"
     assert out["index_bytes_per_token"] == 68
-    assert out["mla_bytes_per_token"] == 1024
-    assert out["row_bytes_per_token"] == 26208
-    assert out["block_size"] == 768
+    assert out["mla_bytes_per_token"] == 1152  # 2 x (512 + 64)
+    assert out["row_bytes_per_token"] == 29280  # 24 x (1152 + 68)
+    assert out["block_size"] == 640  # ceil(18,723,840 / (64 x 29280)) = ceil(9.99) = 10 units
 
 
 def test_dspark_speculative_config():
     spec = '{"method": "dspark", "num_speculative_tokens": 3, "model": "kimi-k3.1-dspark"}'
     out = plan_json("--speculative-config", spec)
-    assert out["draft_bytes_per_token"] == 3280
-    assert out["row_bytes_per_token"] == 19120
+    assert out["draft_bytes_per_token"] == 3280  # 5 x 656
+    assert out["row_bytes_per_token"] == 22192  # 18912 + 3280
     assert out["state_bytes"] == 841728
-    assert out["block_size"] == 1024
+    assert out["block_size"] == 896  # ceil(23 x 841,728 / (64 x 22192)) = ceil(13.63) = 14 units
+    assert out["pow2"]["block_size"] == 1024
 
 
 def test_kimi_linear_has_null_block_size():
@@ -129,8 +130,8 @@ def test_kimi_linear_has_null_block_size():
 def test_config_file_and_directory(tmp_path):
     raw = builtin_config_dict("kimi-k3.1")
     path = write_config(tmp_path, {"architectures": ["KimiK3ForCausalLM"], "text_config": raw})
-    assert plan_json("--config", str(path))["block_size"] == 1216
-    assert plan_json("--config", str(tmp_path), "-tp", "1")["block_size"] == 9728
+    assert plan_json("--config", str(path))["block_size"] == 1024
+    assert plan_json("--config", str(tmp_path), "-tp", "1")["block_size"] == 8192
 
 
 # --- the text report ------------------------------------------------------------------------
@@ -140,16 +141,26 @@ def test_text_report_mentions_the_key_figures():
     result = run_plan()
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    for figure in ("kimi-k3.1", "1216", "15,840", "814,080", "1,013,760", "27,648", "786,432",
-                   "states per row 23", "2048"):
+    for figure in ("kimi-k3.1", "block size 1024", "18,912", "814,080", "1,210,368", "27,648", "786,432",
+                   "states per row 23", "41,984", "1,159,936", "power of two ( 1024)"):
         assert figure in text, figure
 
 
 def test_text_tp_table():
-    result = run_plan("-tp", "1,2,4,8,16")
+    # fp8 MLA + MXFP4 keys: 19 units at TP 1..8, 10 at TP 16 (reference 16), so TP 16 cannot exchange
+    result = run_plan("-tp", "1,2,4,8,16", "--kv-cache-dtype", "fp8", "--attention-config",
+                      '{"indexer_kv_dtype": "mxfp4"}')
     assert result.returncode == 0, result.stderr
     for figure in ("9728", "4864", "2432", "1216", "640", "yes", "no", "--reference-tp 16"):
         assert figure in result.stdout, figure
+
+
+def test_text_tp_table_default_all_exchangeable():
+    result = run_plan("-tp", "1,2,4,8,16")
+    assert result.returncode == 0, result.stderr
+    for figure in ("8192", "4096", "2048", "1024", "512", "yes"):
+        assert figure in result.stdout, figure
+    assert " no" not in result.stdout and "--reference-tp" not in result.stdout
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -166,7 +177,7 @@ def test_installed_entry_point():
         pytest.skip("no installed dsacache entry point beside this python")
     result = subprocess.run([str(exe), "plan", "--json"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["block_size"] == 1216
+    assert json.loads(result.stdout)["block_size"] == 1024
 
 
 # --- no torch -------------------------------------------------------------------------------

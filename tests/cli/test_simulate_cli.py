@@ -16,17 +16,28 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_simulate_json_compares_packed_with_power_of_two():
-    result = run_cli("simulate", "--json", "--no-progress", "--seed", "3")
+    # MXFP4 keys: packed 1088 (17 units), power of two 2048. At the default FP8 keys both are 1024.
+    result = run_cli("simulate", "--json", "--no-progress", "--seed", "3",
+                     "--attention-config", '{"indexer_kv_dtype": "mxfp4"}')
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     packed, pow2 = report["results"]
     assert (packed["name"], pow2["name"]) == ("packed", "power-of-two")
-    assert (packed["block_size"], pow2["block_size"]) == (1216, 2048)
+    assert (packed["block_size"], pow2["block_size"]) == (1088, 2048)
     for res in (packed, pow2):
         assert res["finished"] + res["rejected"] == report["workload"]["num_requests"]
         assert 0 < res["utilisation"] <= 1
     # Same memory, less waste per state row: the packed layout keeps more requests running.
     assert packed["peak_running"] > pow2["peak_running"]
+
+
+def test_simulate_default_blocks_coincide():
+    # FP8 keys: 16 units -> 1024, and 512 x 18912 < 23 x 814,080 <= 1024 x 18912 -> power of two 1024
+    result = run_cli("simulate", "--json", "--no-progress", "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    packed, pow2 = json.loads(result.stdout)["results"]
+    assert packed["block_size"] == pow2["block_size"] == 1024
+    assert packed["peak_running"] == pow2["peak_running"]
 
 
 def test_simulate_text_with_progress_bar():

@@ -178,7 +178,7 @@ def test_store_fp8_matches_reference(device, num_tokens, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_store_fp8_packed_pool_page_stride(device):
     """A K3.1-sized page stride (24 layers): the other layers' bytes stay untouched."""
-    page_stride, layer_offset, num_pages = 1_013_760, 5 * 64 * 660 + 64 * 528, 3
+    page_stride, layer_offset, num_pages = 1_210_368, 5 * 64 * 788 + 64 * 656, 3
     raw = torch.full((num_pages * page_stride,), SENTINEL, dtype=torch.uint8, device=device)
     pages = raw.as_strided((num_pages, PAGE, 132), (page_stride, 132, 1), layer_offset)
     k = random_keys(40, 128, torch.bfloat16, device)

@@ -4,8 +4,11 @@ Every expected value below is a literal computed from the spec's formulas (the
 arithmetic is spelled out beside the less obvious ones); nothing is derived by
 calling the code under test.
 
-Kimi-K3.1: 24 DSA layers (MLA 512 + 0 RoPE, indexer 128), 69 KDA layers (96 heads x
+Kimi-K3.1: 24 DSA layers (MLA 512 + 64 cached values: ``mla_use_nope`` skips the rotary
+embedding but still caches the 64 extra key dims; indexer 128), 69 KDA layers (96 heads x
 128, conv kernel 4). Kimi-Linear-48B: 7 MLA layers (512 + 64), 20 KDA layers (32 x 128).
+A K3.1-like model with ``qk_rope_head_dim`` 0 (NoPE MLA caching only the latent) keeps the
+528-B fp8_ds_mla entry.
 """
 
 import json
@@ -14,6 +17,7 @@ import pytest
 
 from dsacache import CacheConfig, SpeculativeConfig, plan
 from dsacache.planner import accounting as acc
+from dsacache.config.model import builtin_config_dict
 from dsacache.formats.key_format import indexer_entry_bytes
 from dsacache.formats.sizes import mla_entry_bytes
 
@@ -21,25 +25,34 @@ K31 = "kimi-k3.1"
 KL48 = "kimi-linear-48b"
 DSPARK = "kimi-k3.1-dspark"
 
-# One layer's MLA entry at kv_lora_rank 512, by cache dtype: K3.1 (rope 0) and 512 + 64.
-MLA_512_0 = {"auto": 1024, "bfloat16": 1024, "fp8": 512, "fp8_e4m3": 512, "fp8_ds_mla": 528}
+# One layer's MLA entry at kv_lora_rank 512, by cache dtype: 512 + 64 (K3.1, Kimi-Linear,
+# DeepSeek-V3.2) and 512 + 0 (NoPE MLA). fp8_ds_mla = rank + 4 x rank / 128 + 2 x rope.
 MLA_512_64 = {"auto": 1152, "bfloat16": 1152, "fp8": 576, "fp8_e4m3": 576, "fp8_ds_mla": 656}
+MLA_512_0 = {"auto": 1024, "bfloat16": 1024, "fp8": 512, "fp8_e4m3": 512, "fp8_ds_mla": 528}
 # One indexer key entry at head_dim 128: 128 + 4 (FP8), 64 + 4 (MXFP4).
 INDEX_128 = {"auto": 132, "fp8": 132, "mxfp4": 68}
 RESOLVED = {"auto": "fp8", "fp8": "fp8", "mxfp4": "mxfp4"}
 
 # K3.1 row bytes per token = 24 x (mla + index), by (kv_cache_dtype, indexer dtype).
 K31_ROW = {
-    ("auto", "fp8"): 27744,  # 24 x 1156
-    ("auto", "mxfp4"): 26208,  # 24 x 1092
-    ("bfloat16", "fp8"): 27744,
-    ("bfloat16", "mxfp4"): 26208,
-    ("fp8", "fp8"): 15456,  # 24 x 644
-    ("fp8", "mxfp4"): 13920,  # 24 x 580
-    ("fp8_e4m3", "fp8"): 15456,
-    ("fp8_e4m3", "mxfp4"): 13920,
-    ("fp8_ds_mla", "fp8"): 15840,  # 24 x 660
-    ("fp8_ds_mla", "mxfp4"): 14304,  # 24 x 596
+    ("auto", "fp8"): 30816,  # 24 x (1152 + 132) = 24 x 1284
+    ("auto", "mxfp4"): 29280,  # 24 x (1152 + 68) = 24 x 1220
+    ("bfloat16", "fp8"): 30816,
+    ("bfloat16", "mxfp4"): 29280,
+    ("fp8", "fp8"): 16992,  # 24 x (576 + 132) = 24 x 708
+    ("fp8", "mxfp4"): 15456,  # 24 x (576 + 68) = 24 x 644
+    ("fp8_e4m3", "fp8"): 16992,
+    ("fp8_e4m3", "mxfp4"): 15456,
+    ("fp8_ds_mla", "fp8"): 18912,  # 24 x (656 + 132) = 24 x 788
+    ("fp8_ds_mla", "mxfp4"): 17376,  # 24 x (656 + 68) = 24 x 724
+}
+
+# The same K3.1 layer pattern with qk_rope_head_dim 0 (NoPE MLA, 512 cached values).
+K31_NOPE_ROW = {
+    ("auto", "fp8"): 27744,  # 24 x (1024 + 132) = 24 x 1156
+    ("fp8", "mxfp4"): 13920,  # 24 x (512 + 68) = 24 x 580
+    ("fp8_ds_mla", "fp8"): 15840,  # 24 x (528 + 132) = 24 x 660
+    ("fp8_ds_mla", "mxfp4"): 14304,  # 24 x (528 + 68) = 24 x 596
 }
 
 # K3.1 KDA state per layer per rank, no speculation: (conv, recurrent) bytes.
@@ -67,6 +80,13 @@ KL48_STATE = {
 
 def k31(**options):
     return CacheConfig.from_model(K31, **options)
+
+
+def k31_nope(**options):
+    """The built-in K3.1 config with ``qk_rope_head_dim`` 0: a NoPE MLA caching only the latent."""
+    raw = builtin_config_dict(K31)
+    raw["qk_rope_head_dim"] = 0
+    return CacheConfig.from_config_dict(raw, name="k31-nope", **options)
 
 
 # --- entry sizes (formats/sizes.py) --------------------------------------------------------
@@ -111,18 +131,18 @@ def test_fp8_indexer_page_is_8448_bytes():
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize("kv_dtype", list(MLA_512_0))
+@pytest.mark.parametrize("kv_dtype", list(MLA_512_64))
 @pytest.mark.parametrize("indexer", ["auto", "fp8", "mxfp4"])
 def test_k31_bytes(tp, kv_dtype, indexer):
     config = k31(tensor_parallel_size=tp, kv_cache_dtype=kv_dtype, indexer_kv_dtype=indexer)
     conv, recurrent = K31_STATE[tp]
-    assert acc.mla_bytes_per_token(config) == MLA_512_0[kv_dtype]
+    assert acc.mla_bytes_per_token(config) == MLA_512_64[kv_dtype]
     assert acc.index_bytes_per_token(config) == INDEX_128[indexer]
     assert acc.draft_bytes_per_token(config) == 0
     assert acc.row_bytes_per_token(config) == K31_ROW[(kv_dtype, RESOLVED[indexer])]
     assert acc.state_bytes(config) == conv + recurrent
     layout = plan(config)
-    assert layout.mla_bytes_per_token == MLA_512_0[kv_dtype]
+    assert layout.mla_bytes_per_token == MLA_512_64[kv_dtype]
     assert layout.index_bytes_per_token == INDEX_128[indexer]
     assert layout.row_bytes_per_token == K31_ROW[(kv_dtype, RESOLVED[indexer])]
     assert layout.draft_bytes_per_token == 0
@@ -143,12 +163,32 @@ def test_k31_state_shapes(tp):
 
 def test_k31_tp8_headline_figures():
     layout = plan(k31())
-    assert layout.mla_bytes_per_token == 528
+    assert layout.config.model.mla_cached_dim == 576  # 512 + 64
+    assert layout.mla_bytes_per_token == 656  # 512 + 16 + 128
     assert layout.index_bytes_per_token == 132
-    assert layout.row_bytes_per_token == 15840
-    assert layout.page_stride_bytes == 1013760
+    assert layout.row_bytes_per_token == 18912  # 24 x 788
+    assert layout.page_stride_bytes == 1210368  # 64 x 18912
     assert layout.state_bytes == 27648 + 786432 == 814080
     assert layout.states_per_row == 23
+
+
+@pytest.mark.parametrize("kv_dtype,indexer", list(K31_NOPE_ROW))
+def test_nope_mla_without_rope_dims_keeps_the_512_value_entry(kv_dtype, indexer):
+    config = k31_nope(kv_cache_dtype=kv_dtype, indexer_kv_dtype=indexer)
+    assert config.model.mla_cached_dim == 512
+    assert acc.mla_bytes_per_token(config) == MLA_512_0[kv_dtype]
+    assert acc.row_bytes_per_token(config) == K31_NOPE_ROW[(kv_dtype, indexer)]
+    layout = plan(config)
+    assert layout.mla_bytes_per_token == MLA_512_0[kv_dtype]
+    assert layout.row_bytes_per_token == K31_NOPE_ROW[(kv_dtype, indexer)]
+    assert layout.state_bytes == 814080  # the KDA state does not depend on the MLA entry
+
+
+def test_nope_mla_tp8_headline_figures():
+    layout = plan(k31_nope())
+    assert layout.mla_bytes_per_token == 528  # 512 + 4 x 512 / 128
+    assert layout.row_bytes_per_token == 15840  # 24 x (528 + 132)
+    assert layout.page_stride_bytes == 1013760  # 64 x 15840
 
 
 def test_state_bytes_at_explicit_tp():
@@ -184,7 +224,7 @@ def test_dspark_draft_in_main_dtype(tp, state):
     assert acc.draft_entry_bytes(config) == 656
     assert acc.num_draft_layers(config) == 5
     assert acc.draft_bytes_per_token(config) == 3280
-    assert acc.row_bytes_per_token(config) == 15840 + 3280 == 19120
+    assert acc.row_bytes_per_token(config) == 18912 + 3280 == 22192
     assert acc.kda_state_shape(config).conv_shape == (6, 36864 // tp)
     assert acc.state_bytes(config) == state
 
@@ -195,17 +235,17 @@ def test_dspark_draft_with_kv_cache_dtype_override(draft_dtype, entry):
     config = k31(speculative=dspark(3, kv_cache_dtype=draft_dtype))
     assert config.draft_kv_cache_dtype == draft_dtype
     assert acc.draft_bytes_per_token(config) == 5 * entry
-    assert acc.mla_bytes_per_token(config) == 528  # the target keeps the main dtype
+    assert acc.mla_bytes_per_token(config) == 656  # the target keeps the main dtype
     layout = plan(config)
     assert layout.draft_bytes_per_token == 5 * entry
-    assert layout.row_bytes_per_token == 15840 + 5 * entry
+    assert layout.row_bytes_per_token == 18912 + 5 * entry
 
 
 def test_dspark_draft_follows_main_dtype_without_override():
     config = k31(kv_cache_dtype="bfloat16", speculative=dspark(2))
     assert config.draft_kv_cache_dtype == "bfloat16"
     assert acc.draft_bytes_per_token(config) == 5 * 1152
-    assert acc.row_bytes_per_token(config) == 27744 + 5760
+    assert acc.row_bytes_per_token(config) == 30816 + 5760
 
 
 def test_eagle3_inline_mla_draft():
@@ -213,7 +253,7 @@ def test_eagle3_inline_mla_draft():
     spec = SpeculativeConfig.from_json({"method": "eagle3", "num_speculative_tokens": 2, "draft_config": draft})
     config = k31(speculative=spec)
     assert acc.draft_bytes_per_token(config) == 656
-    assert acc.row_bytes_per_token(config) == 16496
+    assert acc.row_bytes_per_token(config) == 19568  # 18912 + 656
     # conv rows 3 + 2 = 5: 5 x 4608 x 2 = 46080
     assert acc.state_bytes(config) == 46080 + 786432
 
@@ -238,7 +278,7 @@ def test_eagle3_draft_without_kv_lora_rank_has_no_draft_pages():
     spec = SpeculativeConfig.from_json({"method": "eagle3", "num_speculative_tokens": 3, "draft_config": draft})
     config = k31(speculative=spec)
     assert acc.draft_bytes_per_token(config) == 0
-    assert acc.row_bytes_per_token(config) == 15840
+    assert acc.row_bytes_per_token(config) == 18912
     # the speculative tokens still grow the conv state: (3 + 3) x 4608 x 2
     assert acc.state_bytes(config) == 55296 + 786432
 
@@ -262,7 +302,7 @@ def test_non_mla_draft_method_keeps_no_draft_pages_even_with_an_mla_draft(method
     spec = SpeculativeConfig.from_json({"method": method, "num_speculative_tokens": 1, "model": DSPARK})
     config = k31(speculative=spec)
     assert acc.draft_bytes_per_token(config) == 0
-    assert acc.row_bytes_per_token(config) == 15840
+    assert acc.row_bytes_per_token(config) == 18912
     # conv rows 3 + 1 = 4: 4 x 4608 x 2 = 36864
     assert acc.state_bytes(config) == 36864 + 786432 == 823296
 

@@ -79,6 +79,27 @@ def test_malformed_integer_field(field, value):
         ModelSpec.from_dict(raw)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("num_attention_heads", 0), ("num_attention_heads", "96"), ("num_attention_heads", True),
+    ("q_lora_rank", 0), ("q_lora_rank", 1536.0), ("qk_nope_head_dim", -1), ("v_head_dim", 0),
+])
+def test_malformed_mla_width_field(field, value):
+    raw = k31_raw()
+    raw[field] = value
+    with pytest.raises(ConfigError, match=f"'{field}' must be an integer >= "):
+        ModelSpec.from_dict(raw)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, "true"])
+def test_malformed_mla_use_nope(value):
+    raw = k31_raw()
+    raw["mla_use_nope"] = value
+    with pytest.raises(ConfigError, match=f"'mla_use_nope' must be true or false, got {value!r}"):
+        ModelSpec.from_dict(raw)
+    with pytest.raises(ConfigError, match="'mla_use_nope' must be true or false"):
+        ModelSpec.from_dict({"text_config": raw})
+
+
 @pytest.mark.parametrize("field", ["num_heads", "head_dim", "short_conv_kernel_size"])
 def test_missing_kda_field(field):
     raw = k31_raw()
@@ -168,8 +189,31 @@ def test_tp_not_dividing_kda_heads_lists_allowed():
         CacheConfig.from_model("kimi-linear-48b", tensor_parallel_size=3)
 
 
-def test_tp_without_kda_is_not_limited_by_heads():
-    assert plan(CacheConfig.from_model("deepseek-v3.2", tensor_parallel_size=5)).kind == "paged"
+def test_tp_without_kda_is_not_limited_by_kda_heads():
+    # no KDA and no num_attention_heads: nothing bounds the TP size
+    raw = copy.deepcopy(builtin_config_dict("deepseek-v3.2"))
+    del raw["num_attention_heads"]
+    assert plan(CacheConfig.from_config_dict(raw, tensor_parallel_size=5)).kind == "paged"
+    assert plan(CacheConfig.from_model("deepseek-v3.2", tensor_parallel_size=16)).kind == "paged"  # 128 / 16
+
+
+@pytest.mark.parametrize("model,tp,heads", [("deepseek-v3.2", 5, 128), ("deepseek-v3.2", 3, 128),
+                                            ("deepseek-v3.2", 256, 128)])
+def test_tp_not_dividing_attention_heads(model, tp, heads):
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size={tp} does not divide num_attention_heads={heads}"):
+        CacheConfig.from_model(model, tensor_parallel_size=tp)
+
+
+@pytest.mark.parametrize("tp", [5, 64])
+def test_k31_tp_not_dividing_96_attention_heads(tp):
+    # K3.1's KDA heads are also 96, so the KDA check speaks first. With the KDA heads set to a count
+    # the TP size divides (480 = 5 x 96, 192 = 3 x 64) the MLA check speaks and names num_attention_heads.
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size={tp} does not divide"):
+        CacheConfig.from_model("kimi-k3.1", tensor_parallel_size=tp)
+    raw = k31_raw()
+    raw["linear_attn_config"]["num_heads"] = 480 if tp == 5 else 192
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size={tp} does not divide num_attention_heads=96"):
+        CacheConfig.from_config_dict(raw, tensor_parallel_size=tp)
 
 
 @pytest.mark.parametrize("name", ["tensor_parallel_size", "prefill_context_parallel_size",
@@ -293,7 +337,7 @@ def test_mxfp4_refused_for_head_dim_not_in_groups_of_32():
 
 def test_budget_too_small_for_one_request():
     layout = plan(CacheConfig.from_model("kimi-k3.1", cache_memory_bytes=10**9))
-    # 30 rows of 19,261,440 B are needed for 32768 tokens; 1 GB gives 51 rows -> fits 1
+    # 35 rows of 19,365,888 B are needed for 32768 tokens (3 state + 32 attention); 1 GB gives 51 rows -> fits 1
     assert summarize(layout, 32768)["max_concurrent_requests"] == 1
     small = plan(CacheConfig.from_model("kimi-k3.1", cache_memory_bytes=5 * 10**8))
     with pytest.raises(ConfigError, match="cache budget of 500,000,000 B cannot hold one request of 32768 tokens"

@@ -17,10 +17,21 @@ def k31():
     return plan(CacheConfig.from_model("kimi-k3.1", tensor_parallel_size=8), num_rows=300)
 
 
-def test_packed_rows_hold_more_requests_than_power_of_two_rows(k31):
-    report = run_simulation(k31, None, SMALL, progress=False)
+@pytest.fixture(scope="module")
+def k31_mxfp4():
+    """K3.1 at TP8 with MXFP4 indexer keys (row 17,376 B/token): packed block 1088, power of two 2048.
+
+    At the default FP8 keys both are 1024. Here 23 states overflow a 1024-token row
+    (23 x 814,080 = 18,723,840 B > 1024 x 17,376 = 17,793,024 B), so the power-of-two block
+    jumps to 2048 and leaves about half of each state row empty.
+    """
+    return plan(CacheConfig.from_model("kimi-k3.1", indexer_kv_dtype="mxfp4"), num_rows=300)
+
+
+def test_packed_rows_hold_more_requests_than_power_of_two_rows(k31_mxfp4):
+    report = run_simulation(k31_mxfp4, None, SMALL, progress=False)
     packed, pow2 = report.results
-    assert (packed.block_size, pow2.block_size) == (k31.block_size, k31.pow2_block_size)
+    assert (packed.block_size, pow2.block_size) == (1088, 2048)
     assert packed.pool_bytes >= pow2.pool_bytes > 0.99 * packed.pool_bytes  # the same memory
     assert packed.peak_running > pow2.peak_running
     assert packed.utilisation > pow2.utilisation

@@ -1,9 +1,9 @@
 """The cache-relevant facts of a model, read from a HF ``config.json`` (pure Python).
 
-Only the fields the cache depends on are read (``packing.md``, "The model family"):
-the KDA layer split and sizes, the MLA latent sizes and the DSA indexer. Everything
-else in the file is ignored. Each fact is validated once, here, with an error that
-names the field.
+Only the fields the cache and its kernels depend on are read (``docs/planning.md``, "The model family"):
+the KDA layer split and sizes, the MLA sizes (the cached latent and the query/value
+widths the attention kernels need) and the DSA indexer. Everything else in the file is
+ignored. Each fact is validated once, here, with an error that names the field.
 """
 
 from __future__ import annotations
@@ -50,7 +50,14 @@ class KdaSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the cache needs to know about a model. Layer numbers are 1-based."""
+    """What the cache needs to know about a model. Layer numbers are 1-based.
+
+    MLA: each token caches ``kv_lora_rank + qk_rope_head_dim`` values (:attr:`mla_cached_dim`).
+    With ``mla_use_nope`` (Kimi-K3 / K3.1, Kimi-Linear) no rotary embedding is applied, but the
+    ``qk_rope_head_dim`` extra key dimensions are still computed and cached. The head count and
+    the query/value widths are optional (a draft config may omit them); the attention kernels
+    need ``num_attention_heads``.
+    """
 
     name: str
     num_hidden_layers: int
@@ -59,6 +66,16 @@ class ModelSpec:
     qk_rope_head_dim: int
     kda: KdaSpec | None = None
     indexer: IndexerSpec | None = None
+    num_attention_heads: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    mla_use_nope: bool = False
+
+    @property
+    def mla_cached_dim(self) -> int:
+        """Values one token's MLA entry holds: ``kv_lora_rank + qk_rope_head_dim`` (576 for K3.1)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def num_dsa_layers(self) -> int:
@@ -95,6 +112,11 @@ class ModelSpec:
             qk_rope_head_dim=rope,
             kda=kda,
             indexer=_parse_indexer(cfg, name),
+            num_attention_heads=_optional_int_field(cfg, "num_attention_heads", name, minimum=1),
+            q_lora_rank=_optional_int_field(cfg, "q_lora_rank", name, minimum=1),
+            qk_nope_head_dim=_optional_int_field(cfg, "qk_nope_head_dim", name, minimum=0),
+            v_head_dim=_optional_int_field(cfg, "v_head_dim", name, minimum=1),
+            mla_use_nope=_bool_field(cfg, "mla_use_nope", name, default=False),
         )
 
 
@@ -106,6 +128,20 @@ def _int_field(cfg: Mapping[str, Any], key: str, where: str, minimum: int, defau
     value = cfg[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{where}: '{key}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _optional_int_field(cfg: Mapping[str, Any], key: str, where: str, minimum: int) -> int | None:
+    """An integer field that may be absent or JSON ``null`` (None then)."""
+    if cfg.get(key) is None:
+        return None
+    return _int_field(cfg, key, where, minimum)
+
+
+def _bool_field(cfg: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: '{key}' must be true or false, got {value!r}")
     return value
 
 

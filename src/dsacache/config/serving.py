@@ -205,6 +205,12 @@ class CacheConfig:
                 f"tensor_parallel_size={tp} does not divide the {kda.num_heads} KDA heads; "
                 f"allowed: {', '.join(map(str, allowed))}"
             )
+        heads = self.model.num_attention_heads
+        if heads is not None and heads % tp:
+            raise ConfigError(
+                f"tensor_parallel_size={tp} does not divide num_attention_heads={heads} (MLA heads are "
+                "split evenly over the TP ranks); use a TP size that divides it"
+            )
         if tp % self.decode_context_parallel_size:
             raise ConfigError(
                 f"decode_context_parallel_size={self.decode_context_parallel_size} must divide "
@@ -243,6 +249,12 @@ class CacheConfig:
     def resolved_indexer_kv_dtype(self) -> str:
         """``"fp8"`` or ``"mxfp4"``."""
         return resolve_indexer_kv_dtype(self.indexer_kv_dtype)
+
+    @property
+    def attention_heads_per_rank(self) -> int | None:
+        """MLA query heads on one TP rank (12 for K3.1 at TP 8); None when the config omits the count."""
+        heads = self.model.num_attention_heads
+        return None if heads is None else heads // self.tensor_parallel_size
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -210,7 +210,7 @@ def plan(config: CacheConfig, num_rows: int | None = None) -> CacheLayout:
 
     >>> layout = plan(CacheConfig.from_model("kimi-k3.1"))
     >>> layout.block_size, layout.row_bytes_per_token, layout.states_per_row
-    (1216, 15840, 23)
+    (1024, 18912, 23)
     """
     model = config.model
     mla, index = acc.mla_bytes_per_token(config), acc.index_bytes_per_token(config)

@@ -24,7 +24,7 @@ class CachePool:
     >>> from dsacache.planner import CacheConfig, plan
     >>> pool = CachePool(plan(CacheConfig.from_model("kimi-k3.1"), num_rows=4))
     >>> pool.index_pages(4).shape, pool.index_pages(4).stride()
-    (torch.Size([76, 64, 132]), (1013760, 132, 1))
+    (torch.Size([64, 64, 132]), (1210368, 132, 1))
     """
 
     def __init__(self, layout, device: torch.device | str = "cpu", allocator: RowAllocator | None = None) -> None:
