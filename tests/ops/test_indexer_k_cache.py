@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dsacache.formats.indexer_key import quantize_fp8, quantize_mxfp4
+from dsacache.formats.key_format import IndexerKeyFormat
 from dsacache.ops.indexer_k_cache import (
     dequantize_indexer_keys,
     fused_norm_store_indexer_keys,
@@ -228,13 +229,38 @@ def test_reference_layer_norm_matches_torch():
     assert rel_rms_error(out, F.layer_norm(k, (128,), w, b, 1e-6)) < 1e-6
 
 
+def launch_module():
+    """``dsacache.ops.indexer_k_cache.launch`` (imports triton, hence not at the top)."""
+    from dsacache.ops.indexer_k_cache import launch
+
+    return launch
+
+
+def mxfp4(head_dim):
+    return IndexerKeyFormat("mxfp4", head_dim)
+
+
+#: The MXFP4 store paths a test can force: the one-tile kernel (what small batches run), the same
+#: with 64-bit slot math (pools of 2**31 slots or more), and the fused LayerNorm tile loop.
+MXFP4_PATHS = ("tile", "tile_slots64", "loop")
+
+
+def mxfp4_launch(path, monkeypatch):
+    """The ``launch`` argument of ``launch_store`` that runs ``path`` (``tile_slots64``: every pool
+    counts as one of 2**31 slots or more)."""
+    launch = launch_module()
+    if path == "tile_slots64":
+        monkeypatch.setattr(launch, "SLOTS_32BIT", 0)
+    if path == "loop":
+        return launch.StoreLaunch("mxfp4_loop", launch.LOOP_TOKENS_PER_TILE, launch.LOOP_WARPS)
+    return None
+
+
 def mxfp4_store_both(x, device, num_pages=2):
     """Store ``x`` as MXFP4 through the Triton kernel without the norm, and through the reference codec."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
     slots = torch.arange(x.shape[0], device=device)
     tri = PackedPool("mxfp4", x.shape[1], num_pages, device)
-    launch_store(x.to(device), tri.pages, slots, "mxfp4")
+    launch_module().launch_store(x.to(device), tri.pages, slots, mxfp4(x.shape[1]))
     ref = PackedPool("mxfp4", x.shape[1], num_pages, device)
     naive.store_quantized(x.to(device), ref.pages, slots, "mxfp4")
     return slots, tri, ref
@@ -322,38 +348,36 @@ def e2m1_hard_groups(dtype, scales):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("path", ["tile", "tile_slots64"])
 @pytest.mark.parametrize("dtype,scales", [(torch.bfloat16, (0, -10, 100, -120)), (torch.float16, (0, -10, 10)),
                                           (torch.float32, (0, -10, 100, -120))])
-def test_mxfp4_store_variants_bit_identical(device, variant, dtype, scales):
-    """Each MXFP4 encoder against the reference codec, byte for byte: hand-picked values in
-    every key dtype (bf16 and fp16 take the lean encoder's short-mantissa path) and random keys."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
+def test_mxfp4_quantizer_bit_identical(device, path, dtype, scales, monkeypatch):
+    """The MXFP4 encoder against the reference codec, byte for byte: hand-picked values in every
+    key dtype (bf16 and fp16 take the encoder's short-mantissa path) and random keys."""
     rows = e2m1_hard_groups(dtype, scales)
     x = torch.cat([rows, random_keys(6, 128, dtype, "cpu")]).to(device)
     slots = torch.randperm(3 * PAGE)[: x.shape[0]].to(device)
     tri, ref = PackedPool("mxfp4", 128, 3, device), PackedPool("mxfp4", 128, 3, device)
-    launch_store(x, tri.pages, slots, "mxfp4", mxfp4_variant=variant)
+    launch_module().launch_store(x, tri.pages, slots, mxfp4(128), launch=mxfp4_launch(path, monkeypatch))
     naive.store_quantized(x.float(), ref.pages, slots, "mxfp4")
     assert torch.equal(tri.raw, ref.raw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", [0, 1, 2])
-def test_fused_mxfp4_variants_hand_picked(device, variant):
+@pytest.mark.parametrize("path", MXFP4_PATHS)
+def test_fused_mxfp4_paths_hand_picked(device, path, monkeypatch):
     """Hand-picked fp32 LayerNorm outputs (through the bias, k = 0 and weight = -1) reach each
-    fused encoder unchanged and come out as the reference codec's bytes (variant 2 takes bf16
-    keys; biases with inf or above 2**100 take its guarded loop, the others the lean one)."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
+    fused store path unchanged and come out as the reference codec's bytes (the loop takes bf16
+    keys; biases with inf or above 2**100 take its guarded copy, the others the lean one)."""
     rows = e2m1_hard_groups(torch.float32, (0, -10, 100, -120))
     weight = -torch.ones(128, device=device)
-    zeros = torch.zeros(3, 128, device=device, dtype=torch.bfloat16 if variant == 2 else torch.float32)
+    zeros = torch.zeros(3, 128, device=device, dtype=torch.bfloat16 if path == "loop" else torch.float32)
     slots = torch.tensor([0, 70, 5], device=device)
+    launch = mxfp4_launch(path, monkeypatch)
     for bias in rows:
         pool = PackedPool("mxfp4", 128, 2, device)
-        launch_store(zeros, pool.pages, slots, "mxfp4", weight, bias.to(device), 1e-6, mxfp4_variant=variant)
+        launch_module().launch_store(zeros, pool.pages, slots, mxfp4(128), weight, bias.to(device), 1e-6,
+                                     launch=launch)
         packed, scales = quantize_mxfp4(bias)
         for s in slots.tolist():
             values, scale_bytes = pool.raw_entry(s)
@@ -362,48 +386,45 @@ def test_fused_mxfp4_variants_hand_picked(device, variant):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_mxfp4_variants_agree(device):
-    """Random keys and LayerNorm parameters: encoders 0 and 1 store the same bytes (same norm code);
-    the tile loop (2) takes its LayerNorm statistics from the tensor cores, so a code may move by
-    a LayerNorm last bit (~2e-7 of them on 1M random keys), nothing more."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
+def test_fused_mxfp4_paths_agree(device, monkeypatch):
+    """Random keys and LayerNorm parameters: the one-tile kernel stores the same bytes with 32- and
+    64-bit slot math; the tile loop takes its LayerNorm statistics from the tensor cores, so a code
+    may move by a LayerNorm last bit (~2e-7 of them on 1M random keys), nothing more."""
     k = random_keys(20 if device == "cpu" else 4096, 128, torch.bfloat16, device)
     weight, bias = torch.randn(128, device=device), torch.randn(128, device=device) * 0.1
     slots = torch.randperm(k.shape[0] + 8)[: k.shape[0]].to(device)
-    raws = []
-    for variant in (0, 1, 2):
+    raws = {}
+    for path in ("tile", "loop", "tile_slots64"):
         pool = PackedPool("mxfp4", 128, k.shape[0] // PAGE + 2, device)
-        launch_store(k, pool.pages, slots, "mxfp4", weight, bias, 1e-6, mxfp4_variant=variant)
-        raws.append(pool.raw)
+        launch_module().launch_store(k, pool.pages, slots, mxfp4(128), weight, bias, 1e-6,
+                                     launch=mxfp4_launch(path, monkeypatch))
+        raws[path] = pool.raw
         pool.assert_only_slots_written(slots)
-    assert torch.equal(raws[0], raws[1])
-    assert float((raws[2] != raws[1]).float().mean()) <= 1e-4
+    assert torch.equal(raws["tile_slots64"], raws["tile"])
+    assert float((raws["loop"] != raws["tile"]).float().mean()) <= 1e-4
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("moments", [False, True])
 @pytest.mark.parametrize("bias_scale", [0.1, 2.0 ** 120])
-def test_fused_mxfp4_loop_several_tiles_a_program(device, prefetch, moments, bias_scale):
-    """The tile loop (variant 2) with several tiles a program and a partial last tile, with and
-    without prefetch, on its lean path (small bias) and its guarded one (a bias above 2**100):
-    the bytes of variant 1 (with ``moments``, on the lean path, but for rare LayerNorm last bits),
-    skipped slots untouched."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_norm_mxfp4_loop, launch_store
+def test_fused_mxfp4_loop_several_tiles_a_program(device, bias_scale):
+    """The tile loop with several tiles a program (one program an SM) and a partial last tile, on its
+    lean copy (small bias) and its guarded one (a bias above 2**100): the bytes of the one-tile
+    kernel (on the lean copy but for rare LayerNorm last bits of the moments), skipped slots untouched."""
     from dsacache.ops.triton_utils import sm_count
 
-    num_tokens = 16 * (sm_count(torch.device(device)) or 4) * 3 + 5
+    launch = launch_module()
+    programs = sm_count(torch.device(device)) or 4
+    num_tokens = 16 * programs * 3 + 5
     k = random_keys(num_tokens, 128, torch.bfloat16, device)
     weight, bias = torch.randn(128, device=device), torch.randn(128, device=device) * bias_scale
     num_pages = num_tokens // PAGE + 2
     slots = random_slots(num_tokens, num_pages, device, num_skipped=num_tokens // 8)
     want, got = PackedPool("mxfp4", 128, num_pages, device), PackedPool("mxfp4", 128, num_pages, device)
-    launch_store(k, want.pages, slots, "mxfp4", weight, bias, 1e-6, mxfp4_variant=1)
-    shape = {} if moments else {"tokens_per_tile": 16, "num_warps": 2}
-    launch_norm_mxfp4_loop(k, got.pages, slots, weight, bias, 1e-6, hints=1, programs_per_sm=1, prefetch=prefetch,
-                           moments=moments, **shape)
-    if moments and bias_scale < 1:
+    assert launch.choose_store(k, want.pages, mxfp4(128), weight, bias).kernel == "mxfp4"
+    launch.launch_store(k, want.pages, slots, mxfp4(128), weight, bias, 1e-6)
+    loop = launch.StoreLaunch("mxfp4_loop", launch.LOOP_TOKENS_PER_TILE, launch.LOOP_WARPS, programs=programs)
+    launch.launch_store(k, got.pages, slots, mxfp4(128), weight, bias, 1e-6, launch=loop)
+    if bias_scale < 1:
         assert float((got.raw != want.raw).float().mean()) <= 1e-4
     else:
         assert torch.equal(got.raw, want.raw)
@@ -413,12 +434,12 @@ def test_fused_mxfp4_loop_several_tiles_a_program(device, prefetch, moments, bia
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_mxfp4_moments_fall_back_to_two_passes(device):
     """A tile with one token the raw moments cannot serve (mean**2 > 16 var: a large offset; NaN;
-    inf; a sum of squares past fp32) takes the two-pass LayerNorm: every tile here has one, so
-    the bytes are exactly those of the two-pass loop, and tokens next to them are unaffected."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_norm_mxfp4_loop
-
+    inf; a sum of squares past fp32) takes the exact two-pass LayerNorm: every tile here has one,
+    so the bytes are exactly those of the one-tile kernel (two passes too), and tokens next to
+    them are unaffected."""
+    launch = launch_module()
     tiles = 12 if device == "cpu" else 4 * 132 * 3
-    num_tokens = 8 * tiles
+    num_tokens = launch.LOOP_TOKENS_PER_TILE * tiles
     k = random_keys(num_tokens, 128, torch.float32, device)
     bad = torch.arange(tiles, device=device) * 8 + torch.arange(tiles, device=device) % 8
     kinds = torch.arange(tiles, device=device) % 4
@@ -431,10 +452,44 @@ def test_fused_mxfp4_moments_fall_back_to_two_passes(device):
     num_pages = num_tokens // PAGE + 2
     slots = random_slots(num_tokens, num_pages, device, num_skipped=num_tokens // 16)
     want, got = PackedPool("mxfp4", 128, num_pages, device), PackedPool("mxfp4", 128, num_pages, device)
-    launch_norm_mxfp4_loop(k, want.pages, slots, weight, bias, 1e-6, hints=1, moments=False)
-    launch_norm_mxfp4_loop(k, got.pages, slots, weight, bias, 1e-6, hints=1, moments=True)
+    assert launch.choose_store(k, want.pages, mxfp4(128), weight, bias).kernel == "mxfp4"
+    launch.launch_store(k, want.pages, slots, mxfp4(128), weight, bias, 1e-6)
+    loop = launch.StoreLaunch("mxfp4_loop", launch.LOOP_TOKENS_PER_TILE, launch.LOOP_WARPS)
+    launch.launch_store(k, got.pages, slots, mxfp4(128), weight, bias, 1e-6, launch=loop)
     assert torch.equal(got.raw, want.raw)
     got.assert_only_slots_written(slots)
+
+
+def test_store_launch_choice():
+    """Which kernel each batch gets: small batches one-warp programs, large fused bf16 MXFP4 the
+    tile loop (not with fp16 keys or without the norm), every FP8 batch the FP8 kernel."""
+    launch = launch_module()
+    pages = PackedPool("mxfp4", 128, 2, "cpu").pages
+    w, b = torch.ones(128), torch.zeros(128)
+
+    def choice(num_tokens, dtype=torch.bfloat16, norm=True, fmt=mxfp4(128), pool=pages):
+        k = torch.empty(num_tokens, 128, dtype=dtype)
+        return launch.choose_store(k, pool, fmt, w if norm else None, b if norm else None)
+
+    assert choice(1) == launch.StoreLaunch("mxfp4", launch.SMALL_TOKENS_PER_PROGRAM, 1)
+    assert choice(launch.LARGE_BATCH).kernel == "mxfp4_loop"
+    assert choice(launch.LARGE_BATCH - 1).kernel == "mxfp4"
+    assert choice(launch.LARGE_BATCH, dtype=torch.float16).block_t == launch.LARGE_MXFP4_TOKENS_PER_PROGRAM
+    assert choice(launch.LARGE_BATCH, norm=False).kernel == "mxfp4"
+    fp8_pages = PackedPool("fp8", 128, 2, "cpu").pages
+    assert choice(launch.LARGE_BATCH, fmt=IndexerKeyFormat("fp8", 128), pool=fp8_pages).kernel == "fp8"
+
+
+def test_forced_launch_checks_its_preconditions():
+    launch = launch_module()
+    pool = PackedPool("mxfp4", 128, 2, "cpu")
+    k, slots = torch.zeros(4, 128, dtype=torch.float16), torch.arange(4)
+    loop = launch.StoreLaunch("mxfp4_loop", 8, 1)
+    with pytest.raises(ValueError, match="tile loop"):
+        launch.launch_store(k, pool.pages, slots, mxfp4(128), torch.ones(128), torch.zeros(128), 1e-6, launch=loop)
+    with pytest.raises(ValueError, match="stores mxfp4"):
+        launch.launch_store(k, pool.pages, slots, mxfp4(128), launch=launch.StoreLaunch("fp8", 2, 1))
+    assert bool((pool.raw == SENTINEL).all())
 
 
 # ---- byte layout and round trip -------------------------------------------------------

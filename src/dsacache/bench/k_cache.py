@@ -15,7 +15,7 @@ import torch
 
 from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
 from dsacache.formats.indexer_key import quantize_fp8, quantize_mxfp4
-from dsacache.formats.key_format import indexer_entry_bytes
+from dsacache.formats.key_format import IndexerKeyFormat, indexer_entry_bytes
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE, mla_entry_bytes
 from dsacache.ops.indexer_k_cache import (
     dequantize_indexer_keys,
@@ -61,9 +61,9 @@ def _store_fn(fmt, mode, k, weight, bias, pages, slots, impl="auto", check_slots
     if mode == "fused":
         return lambda: fused_norm_store_indexer_keys(k, weight, bias, pages, slots, fmt, impl=impl,
                                                      check_slots=check_slots)
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+    from dsacache.ops.indexer_k_cache.launch import launch_store
 
-    return lambda: launch_store(k, pages, slots, fmt)
+    return lambda: launch_store(k, pages, slots, IndexerKeyFormat(fmt, k.shape[1]))
 
 
 def _expected(fmt, mode, k, weight, bias):
@@ -185,43 +185,23 @@ def _extra_store_rows(args, fmt, pool, num_pages):
     if args.sweep:
         for sweep_mode in ("plain", "fused") if fmt == "fp8" else ("fused", "quant"):
             rows += _sweep_rows(args, fmt, sweep_mode, pool, k, weight, bias, slots, nbytes)
-            rows += _hints_rows(args, fmt, sweep_mode, pool, k, weight, bias, slots, nbytes)
     rows += _gather_rows(args, fmt, pool, num_pages)
     return rows
 
 
 def _sweep_rows(args, fmt, mode, pool, k, weight, bias, slots, nbytes):
-    rows = []
-    norm = {"weight": weight, "bias": bias, "eps": 1e-6} if mode == "fused" else {}
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+    """The store's one-tile kernel at each launch shape (MXFP4 fused: the kernel small batches run)."""
+    from dsacache.ops.indexer_k_cache.launch import StoreLaunch, launch_store
 
-    # MXFP4: every encoder (``mxfp4_variant``) at every shape; each one's bytes checked first.
-    variants = (0, 1) if fmt == "mxfp4" else (None,)
-    for variant in variants:
-        extra = {} if variant is None else {"mxfp4_variant": variant}
-        if variant is not None:
-            launch_store(k, pool.pages, slots, fmt, **extra, **norm)
-            _check_store(fmt, mode, pool, k, weight, bias, slots)
-        tag = "" if variant is None else f" enc={variant}"
-        for tokens_per_program in (16, 32, 64):
-            for num_warps in (2, 4):
-                ms = time_graph(lambda: launch_store(k, pool.pages, slots, fmt, tokens_per_program=tokens_per_program,
-                                                     num_warps=num_warps, **extra, **norm))
-                rows.append(BenchRow(f"sweep {fmt} {mode}",
-                                     f"T={k.shape[0]} tpp={tokens_per_program} w={num_warps}{tag}",
-                                     ms, nbytes, args.ceiling_gbps))
-    return rows
-
-
-def _hints_rows(args, fmt, mode, pool, k, weight, bias, slots, nbytes):
-    """The store with each L2 hint setting (``STORE_HINTS``), default launch shape."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
+    key_format = IndexerKeyFormat(fmt, k.shape[1])
     norm = {"weight": weight, "bias": bias, "eps": 1e-6} if mode == "fused" else {}
     rows = []
-    for hints in (0, 1, 2):
-        ms = time_graph(lambda: launch_store(k, pool.pages, slots, fmt, hints=hints, **norm))
-        rows.append(BenchRow(f"hints {fmt} {mode}", f"T={k.shape[0]} hints={hints}", ms, nbytes, args.ceiling_gbps))
+    for tokens_per_program in (16, 32, 64):
+        for num_warps in (2, 4):
+            launch = StoreLaunch(fmt, tokens_per_program, num_warps)
+            ms = time_graph(lambda: launch_store(k, pool.pages, slots, key_format, **norm, launch=launch))
+            rows.append(BenchRow(f"sweep {fmt} {mode}", f"T={k.shape[0]} tpp={tokens_per_program} w={num_warps}",
+                                 ms, nbytes, args.ceiling_gbps))
     return rows
 
 

@@ -36,10 +36,11 @@ def _check_keys(k: torch.Tensor) -> int:
     return k.shape[1]
 
 
-def _check_pages(pages: torch.Tensor, head_dim: int, fmt: str) -> None:
-    indexer_pages_format(pages, head_dim, fmt)
+def _check_pages(pages: torch.Tensor, head_dim: int, fmt: str):
+    key_format = indexer_pages_format(pages, head_dim, fmt)
     if fmt == "fp8" and (pages.data_ptr() % 4 or pages.stride(0) % 4):
         raise ValueError("FP8 indexer pages must be 4-byte aligned (address and page stride): scales are fp32")
+    return key_format
 
 
 def _check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_pages: int, check_slots: bool) -> None:
@@ -105,13 +106,13 @@ def store_indexer_keys(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
     if fmt == "mxfp4":
         raise ValueError(f"store_indexer_keys: {MXFP4_RULE}")
-    _check_pages(pages, head_dim, fmt)
+    key_format = _check_pages(pages, head_dim, fmt)
     check_same_device(k=k, pages=pages, slot_mapping=slot_mapping)
     _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
     if use_triton(impl, k, pages, slot_mapping):
-        from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+        from dsacache.ops.indexer_k_cache.launch import launch_store
 
-        launch_store(k, pages, slot_mapping, fmt)
+        launch_store(k, pages, slot_mapping, key_format)
     else:
         naive.store_indexer_keys(k, pages, slot_mapping, fmt)
 
@@ -157,13 +158,13 @@ def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: t
     head_dim = _check_keys(k)
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
     _check_norm_params(weight, bias, head_dim, eps)
-    _check_pages(pages, head_dim, fmt)
+    key_format = _check_pages(pages, head_dim, fmt)
     check_same_device(k=k, weight=weight, bias=bias, pages=pages, slot_mapping=slot_mapping)
     _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
     if use_triton(impl, k, pages, slot_mapping):
-        from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+        from dsacache.ops.indexer_k_cache.launch import launch_store
 
-        launch_store(k, pages, slot_mapping, fmt, weight.contiguous(), bias.contiguous(), eps)
+        launch_store(k, pages, slot_mapping, key_format, weight.contiguous(), bias.contiguous(), eps)
     else:
         naive.fused_norm_store_indexer_keys(k, weight, bias, pages, slot_mapping, fmt, eps)
 
@@ -222,7 +223,7 @@ def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqle
         ...                                      torch.tensor([0, 70], dtype=torch.int32), "fp8", 128)
     """
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
-    _check_pages(pages, head_dim, fmt)
+    key_format = _check_pages(pages, head_dim, fmt)
     _check_gather_metadata(block_table, cu_seqlens)
     check_same_device(pages=pages, block_table=block_table, cu_seqlens=cu_seqlens)
     if num_tokens is None:
@@ -231,12 +232,12 @@ def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqle
         raise ValueError(f"num_tokens={num_tokens} must be >= 0")
     if not use_triton(impl, pages, block_table, cu_seqlens):
         return naive.gather_indexer_keys(pages, block_table, cu_seqlens, fmt, head_dim, num_tokens)
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_gather
+    from dsacache.ops.indexer_k_cache.launch import launch_gather
 
     value_shape, scale_shape = _entry_shapes(fmt, head_dim)
     values = torch.empty((num_tokens, *value_shape), dtype=torch.uint8, device=pages.device)
     scales = torch.empty((num_tokens, *scale_shape), dtype=torch.uint8, device=pages.device)
-    launch_gather(pages, block_table, cu_seqlens, values, scales)
+    launch_gather(pages, block_table, cu_seqlens, values, scales, key_format)
     if fmt == "fp8":
         return values.view(torch.float8_e4m3fn), scales.view(torch.float32).squeeze(-1)
     return values, scales
@@ -277,8 +278,9 @@ def dequantize_indexer_keys(values: torch.Tensor, scales: torch.Tensor, indexer_
     check_same_device(values=values, scales=scales)
     if not use_triton(impl, values, scales):
         return naive.dequantize_indexer_keys(values, scales, fmt)
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_dequantize
+    from dsacache.formats.key_format import IndexerKeyFormat
+    from dsacache.ops.indexer_k_cache.launch import launch_dequantize
 
     out = torch.empty((values.shape[0], head_dim), dtype=torch.float32, device=values.device)
-    launch_dequantize(values.contiguous().view(torch.uint8), scales.contiguous(), out, fmt)
+    launch_dequantize(values.contiguous().view(torch.uint8), scales.contiguous(), out, IndexerKeyFormat(fmt, head_dim))
     return out
