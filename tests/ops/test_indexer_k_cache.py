@@ -262,7 +262,7 @@ def mxfp4_store_both(x, device, num_pages=2):
     tri = PackedPool("mxfp4", x.shape[1], num_pages, device)
     launch_module().launch_store(x.to(device), tri.pages, slots, mxfp4(x.shape[1]))
     ref = PackedPool("mxfp4", x.shape[1], num_pages, device)
-    naive.store_quantized(x.to(device), ref.pages, slots, "mxfp4")
+    naive.store_quantized(x.to(device), ref.pages, slots, mxfp4(x.shape[1]))
     return slots, tri, ref
 
 
@@ -297,7 +297,7 @@ def test_mxfp4_codes_bit_identical(device):
         values, scale_bytes = tri.raw_entry(t)
         assert torch.equal(values, packed[t]) and torch.equal(scale_bytes, scales[t])
     decoded = dequantize_indexer_keys(packed.to(device), scales.to(device), "mxfp4", impl=impl_for(device))
-    assert torch.equal(decoded.cpu(), naive.dequantize_indexer_keys(packed, scales, "mxfp4"))
+    assert torch.equal(decoded.cpu(), naive.dequantize_indexer_keys(packed, scales, mxfp4(128)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -359,7 +359,7 @@ def test_mxfp4_quantizer_bit_identical(device, path, dtype, scales, monkeypatch)
     slots = torch.randperm(3 * PAGE)[: x.shape[0]].to(device)
     tri, ref = PackedPool("mxfp4", 128, 3, device), PackedPool("mxfp4", 128, 3, device)
     launch_module().launch_store(x, tri.pages, slots, mxfp4(128), launch=mxfp4_launch(path, monkeypatch))
-    naive.store_quantized(x.float(), ref.pages, slots, "mxfp4")
+    naive.store_quantized(x.float(), ref.pages, slots, mxfp4(128))
     assert torch.equal(tri.raw, ref.raw)
 
 
@@ -640,34 +640,126 @@ def test_fused_nan_input_rule(device):
 
 # ---- bad input: a clear error, nothing written -------------------------------------------
 
-def bad_store_calls(device):
+def bad_store_calls(device, impl):
+    """(message, call on fp8 pages) pairs: each call must raise ValueError matching the message."""
     k = torch.randn(4, 128, device=device)
     slots = torch.tensor([0, 1, 2, 3], device=device)
     w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+
+    def store(keys, p, slot_mapping, *args, **kw):
+        store_indexer_keys(keys, p, slot_mapping, *args, impl=kw.pop("impl", impl), **kw)
+
+    def fused(keys, weight, bias, p, slot_mapping, *args, **kw):
+        fused_norm_store_indexer_keys(keys, weight, bias, p, slot_mapping, *args, impl=kw.pop("impl", impl), **kw)
+
     return [
-        ("k.dtype", lambda p: store_indexer_keys(k.to(torch.int32), p, slots)),
-        ("2-D", lambda p: store_indexer_keys(k[0], p, slots)),
-        ("do not hold fp8 keys of head_dim=96", lambda p: store_indexer_keys(k[:, :96], p, slots)),
-        ("slot_mapping values", lambda p: store_indexer_keys(k, p, torch.tensor([0, 1, 2, 128], device=device))),
-        ("slot_mapping values", lambda p: store_indexer_keys(k, p, torch.tensor([0, -2, 2, 3], device=device))),
-        ("slot_mapping has 3", lambda p: store_indexer_keys(k, p, slots[:3])),
-        ("int32 or int64", lambda p: store_indexer_keys(k, p, slots.float())),
-        ("fused LayerNorm insert", lambda p: store_indexer_keys(k, p, slots, "mxfp4")),
-        ("allowed: auto", lambda p: store_indexer_keys(k, p, slots, "int8")),
-        ("weight must be", lambda p: fused_norm_store_indexer_keys(k, w[:64], b, p, slots)),
-        ("eps", lambda p: fused_norm_store_indexer_keys(k, w, b, p, slots, eps=-1.0)),
-        ("multiple of 32", lambda p: fused_norm_store_indexer_keys(k[:, :48], w[:48], b[:48], p, slots, "mxfp4")),
-        ("impl", lambda p: store_indexer_keys(k, p, slots, impl="cuda")),
+        ("k.dtype", lambda p: store(k.to(torch.int32), p, slots)),
+        ("2-D", lambda p: store(k[0], p, slots)),
+        ("match no key format at head_dim=96", lambda p: store(k[:, :96], p, slots)),
+        ("do not hold fp8 keys of head_dim=96", lambda p: store(k[:, :96], p, slots, "fp8")),
+        ("do not hold mxfp4 keys of head_dim=128", lambda p: fused(k, w, b, p, slots, "mxfp4")),
+        ("slot_mapping values", lambda p: store(k, p, torch.tensor([0, 1, 2, 128], device=device))),
+        ("slot_mapping values", lambda p: store(k, p, torch.tensor([0, -2, 2, 3], device=device))),
+        ("slot_mapping has 3", lambda p: store(k, p, slots[:3])),
+        ("int32 or int64", lambda p: store(k, p, slots.float())),
+        ("fused LayerNorm insert", lambda p: store(k, p, slots, "mxfp4")),
+        ("allowed: auto", lambda p: store(k, p, slots, "int8")),
+        ("allowed: auto", lambda p: fused(k, w, b, p, slots, "e4m3")),
+        ("weight must be", lambda p: fused(k, w[:64], b, p, slots)),
+        ("eps", lambda p: fused(k, w, b, p, slots, eps=-1.0)),
+        ("multiple of 32", lambda p: fused(k[:, :48], w[:48], b[:48], p, slots, "mxfp4")),
+        ("impl", lambda p: store(k, p, slots, impl="cuda")),
+        # Wrong argument types: a ValueError naming the argument, never a TypeError from inside.
+        ("slot_mapping must be a torch.Tensor", lambda p: store(k, p, [0, 1, 2, 3])),
+        ("slot_mapping must be a torch.Tensor", lambda p: fused(k, w, b, p, None)),
+        ("eps='1e-6' must be a finite number", lambda p: fused(k, w, b, p, slots, eps="1e-6")),
+        ("eps=True must be a finite number", lambda p: fused(k, w, b, p, slots, eps=True)),
+        ("eps=inf", lambda p: fused(k, w, b, p, slots, eps=float("inf"))),
+        ("check_slots must be True or False", lambda p: store(k, p, slots, check_slots=1)),
+        ("indexer_kv_dtype must be a string", lambda p: store(k, p, slots, 8)),
+        ("indexer pages must be a uint8 view", lambda p: store(k, p.tolist(), slots)),
+        ("bias must be", lambda p: fused(k, w, 0.0, p, slots)),
+        ("k must be a 2-D tensor", lambda p: store(k.tolist(), p, slots)),
+        ("impl", lambda p: store(k, p, slots, impl=None)),
     ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bad_input_raises_and_writes_nothing(device):
-    for message, call in bad_store_calls(device):
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_bad_input_raises_and_writes_nothing(device, path):
+    """Both paths refuse the same calls, before a byte is written."""
+    impl = "torch" if path == "torch" else impl_for(device)
+    for message, call in bad_store_calls(device, impl):
         pool = PackedPool("fp8", 128, 2, device)
         with pytest.raises(ValueError, match=message):
             call(pool.pages)
         assert bool((pool.raw == SENTINEL).all()), message
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_misaligned_pages_are_refused_by_both_paths(device, path):
+    """The stores write 32-bit words: pages off a 4-byte boundary are refused (FP8 and MXFP4)."""
+    impl = "torch" if path == "torch" else impl_for(device)
+    k, slots = torch.randn(2, 128, device=device), torch.tensor([0, 1], device=device)
+    w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+    for fmt in ("fp8", "mxfp4"):
+        entry = entry_bytes(fmt, 128)
+        raw = torch.full((2 * 64 * entry + 4,), SENTINEL, dtype=torch.uint8, device=device)
+        pages = raw.as_strided((2, 64, entry), (64 * entry, entry, 1), 1)
+        with pytest.raises(ValueError, match="4-byte aligned"):
+            fused_norm_store_indexer_keys(k, w, b, pages, slots, impl=impl)
+        assert bool((raw == SENTINEL).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_format_comes_from_the_pages(device, fmt):
+    """Omitting the format reads it off the pages; the string and the layout's IndexerKeyFormat
+    give the same bytes; gather and dequantize find it too."""
+    k = random_keys(70, 128, torch.bfloat16, device)
+    w, b = torch.randn(128, device=device), torch.randn(128, device=device) * 0.1
+    slots = random_slots(70, 3, device, num_skipped=5)
+    raws = []
+    for given in (None, fmt, IndexerKeyFormat(fmt, 128)):
+        pool = PackedPool(fmt, 128, 3, device)
+        fused_norm_store_indexer_keys(k, w, b, pool.pages, slots, given, impl=impl_for(device))
+        if fmt == "fp8":
+            store_indexer_keys(k, pool.pages, slots, given, impl=impl_for(device))
+        raws.append(pool.raw)
+    assert all(torch.equal(raw, raws[0]) for raw in raws)
+    table = torch.tensor([[2, 0, 1]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 150], dtype=torch.int32, device=device)
+    for impl in (impl_for(device), "torch"):
+        found = gather_indexer_keys(pool.pages, table, cu, 128, impl=impl)
+        named = gather_indexer_keys(pool.pages, table, cu, 128, IndexerKeyFormat(fmt, 128), impl=impl)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(found, named))
+        assert torch.equal(dequantize_indexer_keys(*found, impl=impl), dequantize_indexer_keys(*found, fmt, impl=impl))
+
+
+def test_wrong_format_strings_get_the_clear_error():
+    """A misspelt or mismatched format names the setting and what is allowed, on every public function."""
+    fp8, mx = PackedPool("fp8", 128, 2, "cpu"), PackedPool("mxfp4", 128, 2, "cpu")
+    k, slots = torch.randn(2, 128), torch.tensor([0, 1])
+    w, b = torch.ones(128), torch.zeros(128)
+    table, cu = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    allowed = r"indexer_kv_dtype='fp4' is not supported; allowed: auto, fp8, mxfp4"
+    for call in (lambda: store_indexer_keys(k, fp8.pages, slots, "fp4"),
+                 lambda: fused_norm_store_indexer_keys(k, w, b, mx.pages, slots, "fp4"),
+                 lambda: gather_indexer_keys(mx.pages, table, cu, 128, "fp4"),
+                 lambda: dequantize_indexer_keys(torch.zeros(2, 64, dtype=torch.uint8),
+                                                 torch.zeros(2, 4, dtype=torch.uint8), "fp4")):
+        with pytest.raises(ValueError, match=allowed):
+            call()
+    with pytest.raises(ValueError, match="do not hold fp8 keys of head_dim=128"):
+        fused_norm_store_indexer_keys(k, w, b, mx.pages, slots, "fp8")
+    with pytest.raises(ValueError, match="do not hold mxfp4 keys of head_dim=128"):
+        gather_indexer_keys(fp8.pages, table, cu, 128, "mxfp4")
+    with pytest.raises(ValueError, match="MXFP4 pages; indexer_kv_dtype='mxfp4' is written only by the fused"):
+        store_indexer_keys(k, mx.pages, slots)
+    with pytest.raises(ValueError, match="indexer key format is for head_dim=64"):
+        store_indexer_keys(k, fp8.pages, slots, IndexerKeyFormat("fp8", 64))
+    assert bool((fp8.raw == SENTINEL).all()) and bool((mx.raw == SENTINEL).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -699,7 +791,7 @@ def test_gather_and_dequantize(device, fmt):
     fused_norm_store_indexer_keys(k, w, b, pool.pages, torch.arange(num_pages * PAGE, device=device), fmt)
     outputs = {}
     for impl in (impl_for(device), "torch"):
-        values, scales = gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, 128, impl=impl)
+        values, scales = gather_indexer_keys(pool.pages, block_table, cu_seqlens, 128, fmt, impl=impl)
         keys = dequantize_indexer_keys(values, scales, fmt, impl=impl)
         outputs[impl] = (values.view(torch.uint8).cpu(), scales.view(torch.uint8).cpu(), keys.cpu())
     for got, want in zip(outputs[impl_for(device)], outputs["torch"]):
@@ -714,9 +806,54 @@ def test_gather_validates_metadata():
     pool = PackedPool("fp8", 128, 2, "cpu")
     table = torch.zeros(2, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        gather_indexer_keys(pool.pages, table, torch.tensor([0, 3], dtype=torch.int32), "fp8", 128)
+        gather_indexer_keys(pool.pages, table, torch.tensor([0, 3], dtype=torch.int32), 128, "fp8")
     with pytest.raises(ValueError, match="block_table"):
-        gather_indexer_keys(pool.pages, table.long(), torch.tensor([0, 3, 4], dtype=torch.int32), "fp8", 128)
+        gather_indexer_keys(pool.pages, table.long(), torch.tensor([0, 3, 4], dtype=torch.int32), 128, "fp8")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_gather_and_dequantize_refuse_wrong_types(impl):
+    """A ValueError naming the argument, on both paths (never a TypeError from inside)."""
+    pool = PackedPool("fp8", 128, 2, "cpu")
+    table, cu = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 70], dtype=torch.int32)
+    values, scales = torch.zeros(2, 128).to(torch.float8_e4m3fn), torch.ones(2)
+    calls = [
+        ("head_dim must be an integer >= 1, got '128'", lambda: gather_indexer_keys(pool.pages, table, cu, "128", impl=impl)),
+        ("head_dim must be an integer >= 1, got True", lambda: gather_indexer_keys(pool.pages, table, cu, True, impl=impl)),
+        ("head_dim must be an integer >= 1, got 'fp8'",
+         lambda: gather_indexer_keys(pool.pages, table, cu, "fp8", 128, impl=impl)),
+        ("num_tokens must be an integer >= 0, got 2.5",
+         lambda: gather_indexer_keys(pool.pages, table, cu, 128, num_tokens=2.5, impl=impl)),
+        ("num_tokens must be an integer >= 0, got -1",
+         lambda: gather_indexer_keys(pool.pages, table, cu, 128, num_tokens=-1, impl=impl)),
+        ("cu_seqlens must be a torch.Tensor", lambda: gather_indexer_keys(pool.pages, table, [0, 70], 128, impl=impl)),
+        ("block_table must be an int32 tensor", lambda: gather_indexer_keys(pool.pages, [[0, 1]], cu, 128, impl=impl)),
+        ("block_table must be at least 1 blocks wide",
+         lambda: gather_indexer_keys(pool.pages, table[:, :0], cu, 128, impl=impl)),
+        ("with no requests", lambda: gather_indexer_keys(pool.pages, table[:0], cu[:1], 128, num_tokens=3, impl=impl)),
+        ("values must be a torch.Tensor", lambda: dequantize_indexer_keys(values.tolist(), scales, impl=impl)),
+        ("scales must be a torch.Tensor", lambda: dequantize_indexer_keys(values, 1.0, impl=impl)),
+        ("values.dtype=torch.float32", lambda: dequantize_indexer_keys(values.float(), scales, impl=impl)),
+        ("indexer_kv_dtype=3 is not supported", lambda: dequantize_indexer_keys(values, scales, 3, impl=impl)),
+    ]
+    for message, call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_takes_strided_metadata_on_both_paths(device):
+    """A block table whose rows are not contiguous and a strided cu_seqlens gather the same bytes."""
+    pool = PackedPool("fp8", 128, 4, device)
+    store_indexer_keys(random_keys(256, 128, torch.float32, device), pool.pages, torch.arange(256, device=device),
+                       impl=impl_for(device))
+    wide = torch.tensor([[3, 9, 1, 9], [0, 9, 2, 9]], dtype=torch.int32, device=device)
+    table = wide[:, ::2]
+    cu = torch.tensor([0, 9, 100, 9, 130], dtype=torch.int32, device=device)[::2]
+    want = gather_indexer_keys(pool.pages, table.contiguous(), cu.contiguous(), 128, impl="torch")
+    for impl in (impl_for(device), "torch"):
+        got = gather_indexer_keys(pool.pages, table, cu, 128, impl=impl)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
 
 
 def test_dequantize_rejects_mismatched_shapes():
@@ -730,7 +867,11 @@ def test_docstring_examples_run():
     pool = torch.zeros(4, 64, 132, dtype=torch.uint8)
     store_indexer_keys(torch.randn(3, 128), pool, torch.tensor([0, 65, -1]))
     values, scales = gather_indexer_keys(pool, torch.tensor([[2, 0]], dtype=torch.int32),
-                                         torch.tensor([0, 70], dtype=torch.int32), "fp8", 128)
+                                         torch.tensor([0, 70], dtype=torch.int32), 128)
     assert values.shape == (70, 128) and scales.shape == (70,)
     assert math.isclose(float(dequantize_indexer_keys(torch.ones(1, 128).to(torch.float8_e4m3fn),
                                                       torch.tensor([0.5]))[0, 0]), 0.5)
+    pool = torch.zeros(4, 64, 68, dtype=torch.uint8)
+    fused_norm_store_indexer_keys(torch.randn(3, 128), torch.ones(128), torch.zeros(128), pool,
+                                  torch.tensor([0, 1, 2]))
+    assert bool(pool.any())

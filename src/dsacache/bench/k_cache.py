@@ -14,7 +14,7 @@ import statistics
 import torch
 
 from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
-from dsacache.formats.indexer_key import quantize_fp8, quantize_mxfp4
+from dsacache.formats.indexer_key import split_indexer_pages
 from dsacache.formats.key_format import IndexerKeyFormat, indexer_entry_bytes
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE, mla_entry_bytes
 from dsacache.ops.indexer_k_cache import (
@@ -68,16 +68,13 @@ def _store_fn(fmt, mode, k, weight, bias, pages, slots, impl="auto", check_slots
 
 def _expected(fmt, mode, k, weight, bias):
     x = naive.layer_norm(k, weight, bias, 1e-6) if mode == "fused" else k
-    if fmt == "fp8":
-        values, scales = quantize_fp8(x)
-        return values.view(torch.uint8), scales
-    return quantize_mxfp4(x)
+    return naive.quantized_bytes(x, IndexerKeyFormat(fmt, k.shape[1]))
 
 
 def _check_store(fmt, mode, pool, k, weight, bias, slots):
     """Entries match the reference; clearing them back to the sentinel leaves a pristine pool."""
     page, row = slots // KERNEL_PAGE_SIZE, slots % KERNEL_PAGE_SIZE
-    values, scales = naive.page_values_and_scales(pool.pages, k.shape[1], fmt)
+    values, scales = split_indexer_pages(pool.pages, IndexerKeyFormat(fmt, k.shape[1]))
     want_values, want_scales = _expected(fmt, mode, k, weight, bias)
     got_values, got_scales = values[page, row], scales[page, row]
     value_mismatch = float((got_values != want_values).float().mean())
@@ -93,12 +90,9 @@ def _check_store(fmt, mode, pool, k, weight, bias, slots):
 def _clear(fmt, pool, head_dim, slots):
     """Put the sentinel back into the entries of ``slots``."""
     page, row = slots // KERNEL_PAGE_SIZE, slots % KERNEL_PAGE_SIZE
-    values, scales = naive.page_values_and_scales(pool.pages, head_dim, fmt)
+    values, scales = split_indexer_pages(pool.pages, IndexerKeyFormat(fmt, head_dim))
     values[page, row] = SENTINEL
-    if fmt == "fp8":
-        scales[page, row] = torch.tensor([SENTINEL] * 4, dtype=torch.uint8, device="cuda").view(torch.float32)
-    else:
-        scales[page, row] = SENTINEL
+    scales[page, row] = SENTINEL
 
 
 def _inputs(num_tokens, head_dim, num_pages):
@@ -213,16 +207,17 @@ def _gather_rows(args, fmt, pool, num_pages):
     per_req = pages_per_req * KERNEL_PAGE_SIZE
     cu_seqlens = torch.arange(num_reqs + 1, device="cuda", dtype=torch.int32) * per_req
     total = per_req * num_reqs
-    values, scales = gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, args.head_dim, num_tokens=total)
-    ref = naive.gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, args.head_dim, total)
+    key_format = IndexerKeyFormat(fmt, args.head_dim)
+    values, scales = gather_indexer_keys(pool.pages, block_table, cu_seqlens, args.head_dim, fmt, num_tokens=total)
+    ref = naive.gather_indexer_keys(pool.pages, block_table, cu_seqlens, key_format, total)
     if not (torch.equal(values.view(torch.uint8), ref[0].view(torch.uint8)) and
             torch.equal(scales.view(torch.uint8), ref[1].view(torch.uint8))):
         raise CorrectnessError(f"gather {fmt} differs from the reference")
-    ms = time_graph(lambda: gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, args.head_dim,
+    ms = time_graph(lambda: gather_indexer_keys(pool.pages, block_table, cu_seqlens, args.head_dim, fmt,
                                                 num_tokens=total))
     rows = [BenchRow(f"gather {fmt}", f"T={total} {num_reqs} requests", ms, 2 * total * pool.entry, args.ceiling_gbps)]
     keys = dequantize_indexer_keys(values, scales, fmt)
-    if not torch.equal(keys, naive.dequantize_indexer_keys(values, scales, fmt)):
+    if not torch.equal(keys, naive.dequantize_indexer_keys(values, scales, key_format)):
         raise CorrectnessError(f"dequantize {fmt} differs from the reference")
     ms = time_graph(lambda: dequantize_indexer_keys(values, scales, fmt))
     rows.append(BenchRow(f"dequantize {fmt}", f"T={total} D={args.head_dim}", ms,
