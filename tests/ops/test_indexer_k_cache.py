@@ -802,6 +802,30 @@ def test_gather_and_dequantize(device, fmt):
     assert bool((keys[int(cu_seqlens[5]) + 64:] == 0).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_follows_the_block_table_rule(device):
+    """Entries -7 and num_pages, and positions past the table's width, gather as zero bytes on
+    both paths; usable blocks around them gather their page."""
+    pool = PackedPool("mxfp4", 128, 3, device)
+    k = random_keys(3 * PAGE, 128, torch.bfloat16, device)
+    w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+    fused_norm_store_indexer_keys(k, w, b, pool.pages, torch.arange(3 * PAGE, device=device), impl=impl_for(device))
+    table = torch.tensor([[2, -7], [3, 0]], dtype=torch.int32, device=device)   # 3 == num_pages
+    cu = torch.tensor([0, 150, 250], dtype=torch.int32, device=device)         # request 0 runs past the table
+    outputs = [gather_indexer_keys(pool.pages, table, cu, 128, impl=impl) for impl in (impl_for(device), "torch")]
+    for got, want in zip(*outputs):
+        assert torch.equal(got, want)
+    values, scales = (t.cpu() for t in outputs[1])
+    page2 = pool.entries(torch.arange(2 * PAGE, 3 * PAGE))
+    assert torch.equal(values[:PAGE], page2[0]) and torch.equal(scales[:PAGE], page2[1])
+    page0 = pool.entries(torch.arange(PAGE))
+    assert torch.equal(values[150 + PAGE:], page0[0][:100 - PAGE])
+    zero = torch.ones(250, dtype=torch.bool)
+    zero[:PAGE] = False
+    zero[150 + PAGE:] = False
+    assert bool((values[zero] == 0).all()) and bool((scales[zero] == 0).all())
+
+
 def test_gather_validates_metadata():
     pool = PackedPool("fp8", 128, 2, "cpu")
     table = torch.zeros(2, 1, dtype=torch.int32)

@@ -1,9 +1,15 @@
-"""Gather kernel: requests' cached entries, through their block tables, into contiguous rows (bytes copied)."""
+"""Gather kernel: requests' cached entries, through their block tables, into contiguous rows (bytes copied).
+
+A block that is past the table or whose entry is not a page of the pool gathers as zero bytes
+(``block_table_page``, the rule of ``dsacache.runtime.block_table``).
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from dsacache.ops.triton_utils import block_table_page
 
 
 @triton.jit
@@ -28,10 +34,8 @@ def gather_kernel(
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     position = offs_t - tl.load(cu_seqlens_ptr + lo, mask=mask_t, other=0)
-    page_index = position // PAGE
-    in_table = mask_t & (page_index < max_pages)
-    page = tl.load(block_table_ptr + lo.to(tl.int64) * bt_stride + page_index, mask=in_table, other=-1)
-    valid = in_table & (page >= 0) & (page < num_pages)
+    page, valid = block_table_page(block_table_ptr + lo.to(tl.int64) * bt_stride, position // PAGE, mask_t,
+                                   max_pages, num_pages)
     row = position % PAGE
     page_ptr = pages_ptr + page.to(tl.int64) * page_stride
 
