@@ -64,7 +64,7 @@ class PackedPool:
         return self.head_dim // 2, self.head_dim // 32
 
     def owned_mask(self, slots):
-        """Bytes of the raw pool that the given slots' entries own (formats.md layout)."""
+        """Bytes of the raw pool that the given slots' entries own (the layout of docs/layout.md)."""
         mask = torch.zeros(self.raw.shape, dtype=torch.bool)
         vb, sb = self.value_scale_bytes()
         slots = torch.as_tensor(slots).cpu().long()
@@ -83,7 +83,7 @@ class PackedPool:
 
     def entries(self, slots):
         """(value bytes ``[n, vb]``, scale bytes ``[n, sb]``) of slots, read from the raw pool by
-        the formats.md layout alone."""
+        the layout of docs/layout.md alone."""
         raw = self.raw.cpu()
         vb, sb = self.value_scale_bytes()
         slots = torch.as_tensor(slots).cpu().long().view(-1, 1)
@@ -507,7 +507,7 @@ def e2m1_half_step(y):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_layout_and_round_trip(device):
-    """Keys rebuilt from raw page bytes by the formats.md layout alone are within half a step."""
+    """Keys rebuilt from raw page bytes by the layout of docs/layout.md alone are within half a step."""
     k = random_keys(70, 128, torch.float32, device)
     pool = PackedPool("fp8", 128, 3, device)
     slots = random_slots(70, 3, device)
