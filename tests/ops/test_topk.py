@@ -97,8 +97,8 @@ def launch_small(logits, lens, k, config):
 
 
 def branch_rows(k, width, samples):
-    """Rows that reach every branch with SAMPLES=samples and CAP=512, SPLITS=4 (v2's runs of
-    8 samples: 4 runs at width 600)."""
+    """Rows that reach every branch with SAMPLES=samples and CAP=512, PROGS=4 (runs of 8
+    samples: 4 runs at width 600)."""
     logits = torch.randn(12, width, device=DEVICE)
     logits[1] = 1.0                                     # too many candidates: ties
     logits[1, ::7] = 2.0
@@ -106,7 +106,7 @@ def branch_rows(k, width, samples):
     for g in range(4):
         logits[2, g * (width // 4):g * (width // 4) + 8] += 10.0
     stride = 500 // samples
-    logits[3] = torch.rand(width, device=DEVICE)        # too few for v1's strided samples
+    logits[3] = torch.rand(width, device=DEVICE)        # fewer large values than k, evenly strided
     logits[3, :samples * stride:stride] += 10.0
     logits[4] = torch.arange(width, device=DEVICE).float()  # skewed: every candidate in the last split
     logits[5] = torch.randint(0, 60, (width,), device=DEVICE).float()  # ties at the cut, in registers
@@ -119,29 +119,26 @@ def branch_rows(k, width, samples):
     return logits, lens
 
 
-@pytest.mark.parametrize("algo,extra", [("v1", {}), ("v2", {"STREAMS": 1}), ("v2", {"STREAMS": 4}),
-                                        ("v2", {"STREAMS": 8}), ("v3", {"V": 1, "TIES": 8}),
-                                        ("v3", {"V": 2, "TIES": 32}), ("v3", {"V": 2, "LOAD": 8}),
-                                        ("v3", {"V": 4, "LOAD": 128}), ("v3", {"V": 2, "AHEAD": 2})])
-def test_every_kernel_branch_with_small_buffers(algo, extra):
+@pytest.mark.parametrize("extra", [{"V": 1, "TIES": 8}, {"V": 2, "TIES": 32}, {"V": 2, "LOAD": 8},
+                                   {"V": 4, "LOAD": 128}, {"V": 2, "AHEAD": 2}])
+def test_every_kernel_branch_with_small_buffers(extra):
     """Short rows (n < k, n == k, k - 1), the direct radix, the sampled cut-off, both
     fallbacks (too many candidates: ties; too few: the largest values sit exactly on the
-    sampled positions), the skewed row (v2: gather of one or several streams a split; v3:
-    the row filtered again, densely), the chosen bin ranked pairwise or by radix passes
-    (v3, TIES 8 and 32), v3's select loading a few slots a segment first (LOAD 8: most rows then
-    reload whole segments) or all of them, NaN and all -inf rows."""
+    sampled positions), the skewed row (filtered again, densely), the chosen bin ranked
+    pairwise or by radix passes (TIES 8 and 32), the select loading a few slots a segment
+    first (LOAD 8: most rows then reload whole segments) or all of them, NaN and all -inf rows."""
     pytest.importorskip("triton")
     k, samples = 40, 32
     logits, lens = branch_rows(k, 600, samples)
     lens[0] = k + 1  # direct radix on a row too short to sample
-    config = {"algo": algo, "BLOCK": 64, "CAP": 512, "SAMPLES": samples, "SPLITS": 4, "PROGS": 4, "BINS": 64, **extra}
+    config = {"BLOCK": 64, "CAP": 512, "SAMPLES": samples, "PROGS": 4, "BINS": 64, **extra}
     launch_small(logits, lens, k, config)
     lens[0] = 600
     launch_small(logits, lens, k, config)
 
 
 @pytest.mark.parametrize("start", [0, 37])
-def test_v3_skewed_rows_refilter_only_overflowed_slices(start):
+def test_skewed_rows_refilter_only_overflowed_slices(start):
     """Skewed rows (candidates piling up towards the end): the segments that overflowed are
     filtered again from their own slices, the others copied; with row starts that are not tile
     aligned (slice 0 begins before the row), the output equals the reference exactly."""
@@ -162,8 +159,7 @@ def test_v3_skewed_rows_refilter_only_overflowed_slices(start):
     assert torch.equal(out, topk_indices(logits, lens, k, row_starts=starts, impl="torch"))
 
 
-@pytest.mark.parametrize("algo", ["v2", "v3"])
-def test_register_path_with_ties_and_the_open_last_bin(algo):
+def test_register_path_with_ties_and_the_open_last_bin():
     """In registers: a row whose candidates are heavily tied at the cut, and one whose k-th
     key lies far above the sampled maximum (the histogram's open last bin)."""
     pytest.importorskip("triton")
@@ -174,12 +170,11 @@ def test_register_path_with_ties_and_the_open_last_bin(algo):
     logits[1] = 1.0
     logits[1, ::7] = 2.0
     lens = torch.full((2,), width, dtype=torch.int32, device=DEVICE)
-    launch_small(logits, lens, k, {"algo": algo, "BLOCK": 64, "CAP": 1024, "SAMPLES": 32, "SPLITS": 4, "PROGS": 4,
-                                   "BINS": 64, "V": 1})
+    launch_small(logits, lens, k, {"BLOCK": 64, "CAP": 1024, "SAMPLES": 32, "PROGS": 4, "BINS": 64, "V": 1})
 
 
-def test_v3_signed_zeros_and_nan_at_the_cut():
-    """v3 tests candidates on the float: a cut-off at +0.0 is lowered to -0.0 (so -0.0, which
+def test_signed_zeros_and_nan_at_the_cut():
+    """The filter tests candidates on the float: a cut-off at +0.0 is lowered to -0.0 (so -0.0, which
     ranks below +0.0, still counts) and a NaN cut-off is raised to -inf (NaN ranks last)."""
     pytest.importorskip("triton")
     k, width = 40, 600
@@ -191,28 +186,22 @@ def test_v3_signed_zeros_and_nan_at_the_cut():
     logits[2] = float("nan")
     logits[2, ::9] = torch.randn(67, device=DEVICE)     # a row mostly NaN
     lens = torch.full((3,), width, dtype=torch.int32, device=DEVICE)
-    launch_small(logits, lens, k, {"algo": "v3", "BLOCK": 64, "CAP": 512, "SAMPLES": 32, "PROGS": 4, "BINS": 64,
+    launch_small(logits, lens, k, {"BLOCK": 64, "CAP": 512, "SAMPLES": 32, "PROGS": 4, "BINS": 64,
                                    "V": 2})
 
 
-def test_algorithms_agree_on_random_rows():
+def test_small_buffers_with_row_starts_on_random_rows():
     pytest.importorskip("triton")
+    from dsacache.ops.topk.triton_kernels import launch_topk
+
     k, width = 24, 1000
     logits = torch.randn(4, width, device=DEVICE)
     logits[1] = torch.randint(-20, 20, (width,), device=DEVICE).float()
     lens = torch.tensor([1000, 999, 700, 333], dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, 1, 299, 13], dtype=torch.int32, device=DEVICE)
-    ref = topk_indices(logits, lens, k, row_starts=starts, impl="torch")
-    outs = []
-    for algo in ("v1", "v2", "v3"):
-        from dsacache.ops.topk.triton_kernels import launch_topk
-
-        out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
-        launch_topk(logits, lens, starts, out, {"algo": algo, "BLOCK": 128, "CAP": 256, "SAMPLES": 64, "SPLITS": 2,
-                                                "PROGS": 2, "BINS": 128, "V": 2})
-        assert torch.equal(out, ref), algo
-        outs.append(out)
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
+    launch_topk(logits, lens, starts, out, {"BLOCK": 128, "CAP": 256, "SAMPLES": 64, "PROGS": 2, "BINS": 128, "V": 2})
+    assert torch.equal(out, topk_indices(logits, lens, k, row_starts=starts, impl="torch"))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -316,7 +305,7 @@ def test_topk_gpu_matches_reference_and_topk_sets(length, k):
 @pytest.mark.parametrize("rows, length, pdl", [(3, 20_000, True), (64, 131_072, True), (256, 32_768, True),
                                                (64, 32_768, False)])
 def test_gluon_select_matches_reference(rows, length, pdl):
-    """The Gluon ballot select (v3 step 3 on Hopper) on the rows it takes (random rows, ties
+    """The Gluon ballot select (the select step on Hopper) on the rows it takes (random rows, ties
     inside the chosen bin) writes the reference's output element for element; the rows it leaves
     (heavy ties, a sorted row, short rows) are finished by the Triton select."""
     from dsacache.ops.topk.triton_kernels import _gluon_select, launch_topk

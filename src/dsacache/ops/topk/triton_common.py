@@ -156,36 +156,6 @@ def _row_setup(logits_ptr, lens_ptr, starts_ptr, row, row_stride, width, HAS_STA
 
 
 @triton.jit
-def _gather_segments(seg_keys, seg_pos, counts, buf_keys, buf_pos, total,
-                     CAP: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr = 1):
-    """Concatenate the SPLITS candidate segments (in split order, so in position order)."""
-    lanes = tl.arange(0, BLOCK)
-    splits = tl.arange(0, SPLITS)
-    ends = tl.cumsum(counts, axis=0)
-    firsts = ends - counts
-    for c in range(loop_bound(tl.cdiv(total, BLOCK))):
-        j = c * BLOCK + lanes
-        valid = j < total
-        owner = tl.sum((j[:, None] >= ends[None, :]).to(tl.int32), axis=1)
-        offset = j - tl.sum(tl.where(owner[:, None] == splits[None, :], firsts[None, :], 0), axis=1)
-        src = (owner.to(tl.int64) * CAP + offset) * PAIR  # PAIR = 2: (key, pos) interleaved
-        tl.store(buf_keys + j, tl.load(seg_keys + src, mask=valid), mask=valid)
-        tl.store(buf_pos + j, tl.load(seg_pos + src, mask=valid), mask=valid)
-
-
-@triton.jit
-def _select_gathered(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, want, out_row,
-                     STRIDE: tl.constexpr, NSEG: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                     PAIR: tl.constexpr = 1):
-    """Concatenate the NSEG candidate segments (STRIDE apart) into the row's buffer, then
-    select the top ``want`` of those ``total`` candidates."""
-    _gather_segments(seg_keys, seg_pos, counts, buf_keys, buf_pos, total, STRIDE, NSEG, BLOCK, PAIR)
-    tl.debug_barrier()  # the buffer was written by other threads of this program
-    cut, ties = _radix_select(buf_keys, total, want, False, BLOCK, BITS)
-    _collect(buf_keys, buf_pos, total, cut, ties, out_row, False, BLOCK)
-
-
-@triton.jit
 def _select_short_row(row_ptr, n, want, out_row, K: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """A row that skips the cut-off (``not _long_row``): all of it when ``n <= K``, else the
     whole-row radix select."""
@@ -303,13 +273,6 @@ def _topk_cutoff_kernel(
         shift = tl.maximum(_bit_length(tl.max(keys, axis=0) - cut) - (log_bins - 1), 0)
         tl.store(cut_ptr + row, _float_cut(cut).to(tl.int32, bitcast=True))
         tl.store(shift_ptr + row, shift)
-
-
-@triton.jit
-def _histogram_cut(hist_row, want, BINS: tl.constexpr):
-    """(bin, left, in_bin): the bin holding the want-th largest candidate, how many to take
-    from it, and how many it holds."""
-    return _histogram_cut_of(tl.load(hist_row + tl.arange(0, BINS)), want)
 
 
 @triton.jit

@@ -48,7 +48,6 @@ from dsacache.ops.topk.triton_common import (
     _narrow_bin_and_write, _row_setup, _row_window, _select_short_row, _select_whole_row,
     _topk_cutoff_kernel,
 )
-from dsacache.ops.topk.triton_v1_v2 import _launch_v1, _launch_v2
 from dsacache.ops.triton_utils import INTERPRET, check_launch, l2_cache_bytes, loop_bound, sm_count
 
 if not INTERPRET:
@@ -69,8 +68,8 @@ if not INTERPRET:
 #: dependent launch of the filter and select kernels, CUDA only), select ("gluon": the Gluon
 #: ballot select first where it applies, see ``gluon_kernels``; "triton": only the Triton select;
 #: "gluon-only", for tests: no Triton select after it), gluon_select_warps (its warps).
-TOPK_CONFIG = {"algo": "v3", "BLOCK": 2048, "SAMPLES": None, "num_warps": 8, "CAP": None, "SPLITS": None,
-               "BINS": 2048, "SAMPLE_RUN": 8, "select_warps": None, "STREAMS": 8, "PROGS": None, "V": None,
+TOPK_CONFIG = {"BLOCK": 2048, "SAMPLES": None, "num_warps": 8, "CAP": None,
+               "BINS": 2048, "SAMPLE_RUN": 8, "select_warps": None, "PROGS": None, "V": None,
                "TIES": 32, "asm": True, "SAMPLE_BITS": 4, "pdl": True, "tile_asm": True, "LOAD": None,
                "select": "gluon", "gluon_select_warps": 8, "AHEAD": None}
 
@@ -508,17 +507,15 @@ def _positions_to_slots_kernel(
 
 def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor | None, out: torch.Tensor,
                 config: dict | None = None) -> None:
-    """Fill ``out [R, k]`` with the top-k positions of each row of ``logits [R, *]``
-    (``config["algo"]``: "v3" or "v2", three launches, or "v1", two). ``lens`` and ``starts``
-    (None: every row starts at 0) are int32 or int64 and clamped to the row by the kernels."""
+    """Fill ``out [R, k]`` with the top-k positions of each row of ``logits [R, *]``. ``lens``
+    and ``starts`` (None: every row starts at 0) are int32 or int64 and clamped to the row by
+    the kernels."""
     cfg = {**TOPK_CONFIG, **(config or {})}
     check_launch(logits.stride(1) == 1 and out.is_contiguous(), "contiguous logits rows and out")
     check_launch(lens.is_contiguous() and (starts is None or starts.is_contiguous()),
                  "contiguous lengths and row starts")
-    check_launch(cfg["algo"] in ("v1", "v2", "v3"), f"algo {cfg['algo']!r} is v1, v2 or v3")
-    launch = {"v1": _launch_v1, "v2": _launch_v2, "v3": _launch_v3}[cfg["algo"]]
     window = dict(width=logits.shape[1], HAS_STARTS=starts is not None)
-    launch(logits, lens, lens if starts is None else starts, out, cfg, sm_count(logits.device) or 1, window)
+    _launch_v3(logits, lens, lens if starts is None else starts, out, cfg, sm_count(logits.device) or 1, window)
 
 
 def topk_progs_v3(rows: int, num_sms: int, cap: int) -> int:
@@ -620,7 +617,7 @@ def select_kernel(config: dict, logits: torch.Tensor, k: int) -> str:
     """Which select a v3 launch on ``logits`` runs first (for reports): "gluon" or "triton"."""
     cfg = {**TOPK_CONFIG, **config}
     _, progs, _, load = _v3_shape(cfg, logits.shape[0], k, logits.shape[1], sm_count(logits.device) or 1)
-    use = cfg["algo"] == "v3" and _gluon_select(cfg, logits, progs, load, cfg["gluon_select_warps"], cfg["BINS"])
+    use = _gluon_select(cfg, logits, progs, load, cfg["gluon_select_warps"], cfg["BINS"])
     return "gluon" if use else "triton"
 
 
