@@ -86,18 +86,19 @@ def test_triton_equals_reference_exactly(k, length):
     check_valid(out, lens, k)
 
 
-def launch_small(logits, lens, k, config):
-    """launch_topk on small buffers; the output must equal the PyTorch reference exactly."""
-    from dsacache.ops.topk.triton_kernels import launch_topk
+def launch_small(logits, lens, k, settings):
+    """launch_topk on small buffers (``settings``: TopkConfig fields); the output must equal
+    the PyTorch reference exactly."""
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk
 
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=DEVICE)
-    launch_topk(logits, lens, torch.zeros_like(lens), out, config)
+    launch_topk(logits, lens, torch.zeros_like(lens), out, TopkConfig(**settings))
     assert torch.equal(out, topk_indices(logits, lens, k, impl="torch"))
     return out
 
 
 def branch_rows(k, width, samples):
-    """Rows that reach every branch with SAMPLES=samples and CAP=512, PROGS=4 (runs of 8
+    """Rows that reach every branch with samples=samples, cap=512 and progs=4 (runs of 8
     samples: 4 runs at width 600)."""
     logits = torch.randn(12, width, device=DEVICE)
     logits[1] = 1.0                                     # too many candidates: ties
@@ -119,22 +120,22 @@ def branch_rows(k, width, samples):
     return logits, lens
 
 
-@pytest.mark.parametrize("extra", [{"V": 1, "TIES": 8}, {"V": 2, "TIES": 32}, {"V": 2, "LOAD": 8},
-                                   {"V": 4, "LOAD": 128}, {"V": 2, "AHEAD": 2}])
+@pytest.mark.parametrize("extra", [{"vec": 1, "ties": 8}, {"vec": 2, "ties": 32}, {"vec": 2, "load": 8},
+                                   {"vec": 4, "load": 128}, {"vec": 2, "ahead": 2}])
 def test_every_kernel_branch_with_small_buffers(extra):
     """Short rows (n < k, n == k, k - 1), the direct radix, the sampled cut-off, both
     fallbacks (too many candidates: ties; too few: the largest values sit exactly on the
     sampled positions), the skewed row (filtered again, densely), the chosen bin ranked
-    pairwise or by radix passes (TIES 8 and 32), the select loading a few slots a segment
-    first (LOAD 8: most rows then reload whole segments) or all of them, NaN and all -inf rows."""
+    pairwise or by radix passes (ties 8 and 32), the select loading a few slots a segment
+    first (load 8: most rows then reload whole segments) or all of them, NaN and all -inf rows."""
     pytest.importorskip("triton")
     k, samples = 40, 32
     logits, lens = branch_rows(k, 600, samples)
     lens[0] = k + 1  # direct radix on a row too short to sample
-    config = {"BLOCK": 64, "CAP": 512, "SAMPLES": samples, "PROGS": 4, "BINS": 64, **extra}
-    launch_small(logits, lens, k, config)
+    settings = dict(block=64, cap=512, samples=samples, progs=4, bins=64, **extra)
+    launch_small(logits, lens, k, settings)
     lens[0] = 600
-    launch_small(logits, lens, k, config)
+    launch_small(logits, lens, k, settings)
 
 
 @pytest.mark.parametrize("start", [0, 37])
@@ -143,7 +144,7 @@ def test_skewed_rows_refilter_only_overflowed_slices(start):
     filtered again from their own slices, the others copied; with row starts that are not tile
     aligned (slice 0 begins before the row), the output equals the reference exactly."""
     pytest.importorskip("triton")
-    from dsacache.ops.topk.triton_kernels import launch_topk
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk
 
     k, width = 200, 1500
     gen = torch.Generator().manual_seed(3)
@@ -153,7 +154,7 @@ def test_skewed_rows_refilter_only_overflowed_slices(start):
     logits[2, 600:700] += 5.0                                         # one hot slice in the middle
     starts = torch.full((4,), start, dtype=torch.int32, device=DEVICE)
     lens = torch.full((4,), width - start, dtype=torch.int32, device=DEVICE)
-    config = {"BLOCK": 64, "CAP": 1024, "SAMPLES": 256, "PROGS": 8, "BINS": 64, "V": 4, "select": "triton"}
+    config = TopkConfig(block=64, cap=1024, samples=256, progs=8, bins=64, vec=4, select="triton")
     out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
     launch_topk(logits, lens, starts, out, config)
     assert torch.equal(out, topk_indices(logits, lens, k, row_starts=starts, impl="torch"))
@@ -170,7 +171,7 @@ def test_register_path_with_ties_and_the_open_last_bin():
     logits[1] = 1.0
     logits[1, ::7] = 2.0
     lens = torch.full((2,), width, dtype=torch.int32, device=DEVICE)
-    launch_small(logits, lens, k, {"BLOCK": 64, "CAP": 1024, "SAMPLES": 32, "PROGS": 4, "BINS": 64, "V": 1})
+    launch_small(logits, lens, k, dict(block=64, cap=1024, samples=32, progs=4, bins=64, vec=1))
 
 
 def test_signed_zeros_and_nan_at_the_cut():
@@ -186,13 +187,12 @@ def test_signed_zeros_and_nan_at_the_cut():
     logits[2] = float("nan")
     logits[2, ::9] = torch.randn(67, device=DEVICE)     # a row mostly NaN
     lens = torch.full((3,), width, dtype=torch.int32, device=DEVICE)
-    launch_small(logits, lens, k, {"BLOCK": 64, "CAP": 512, "SAMPLES": 32, "PROGS": 4, "BINS": 64,
-                                   "V": 2})
+    launch_small(logits, lens, k, dict(block=64, cap=512, samples=32, progs=4, bins=64, vec=2))
 
 
 def test_small_buffers_with_row_starts_on_random_rows():
     pytest.importorskip("triton")
-    from dsacache.ops.topk.triton_kernels import launch_topk
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk
 
     k, width = 24, 1000
     logits = torch.randn(4, width, device=DEVICE)
@@ -200,7 +200,7 @@ def test_small_buffers_with_row_starts_on_random_rows():
     lens = torch.tensor([1000, 999, 700, 333], dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, 1, 299, 13], dtype=torch.int32, device=DEVICE)
     out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
-    launch_topk(logits, lens, starts, out, {"BLOCK": 128, "CAP": 256, "SAMPLES": 64, "PROGS": 2, "BINS": 128, "V": 2})
+    launch_topk(logits, lens, starts, out, TopkConfig(block=128, cap=256, samples=64, progs=2, bins=128, vec=2))
     assert torch.equal(out, topk_indices(logits, lens, k, row_starts=starts, impl="torch"))
 
 
@@ -308,7 +308,7 @@ def test_gluon_select_matches_reference(rows, length, pdl):
     """The Gluon ballot select (the select step on Hopper) on the rows it takes (random rows, ties
     inside the chosen bin) writes the reference's output element for element; the rows it leaves
     (heavy ties, a sorted row, short rows) are finished by the Triton select."""
-    from dsacache.ops.topk.triton_kernels import _gluon_select, launch_topk
+    from dsacache.ops.topk.launch import TopkConfig, _use_gluon, launch_topk
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the Gluon select runs on Hopper and newer")
@@ -318,7 +318,7 @@ def test_gluon_select_matches_reference(rows, length, pdl):
     lens = torch.full((rows,), length, dtype=torch.int32, device="cuda")
     ref = run_topk("torch", logits, lens, k)
     only = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-    launch_topk(logits, lens, None, only, {"select": "gluon-only", "pdl": pdl})
+    launch_topk(logits, lens, None, only, TopkConfig(select="gluon-only", pdl=pdl))
     taken = (only != -7).all(dim=1)
     assert taken.float().mean() > 0.9, "the Gluon select left most random rows"
     assert torch.equal(only[taken], ref[taken])
@@ -330,9 +330,9 @@ def test_gluon_select_matches_reference(rows, length, pdl):
     ref = run_topk("torch", logits, lens, k)
     for _ in range(3):
         out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-        launch_topk(logits, lens, None, out, {"pdl": pdl})
+        launch_topk(logits, lens, None, out, TopkConfig(pdl=pdl))
         assert torch.equal(out, ref)
-    assert _gluon_select({"select": "gluon", "TIES": 32}, logits, 64, 128, 8, 2048)
+    assert _use_gluon(TopkConfig(), logits, 64, 128)
 
 
 def test_gluon_select_compiles_for_hopper():
@@ -344,7 +344,7 @@ def test_gluon_select_compiles_for_hopper():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from dsacache.ops.topk.gluon_kernels import topk_select_ballot_kernel as kernel
+from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel as kernel
 
 pointers = ["lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr", "counts_ptr",
             "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]

@@ -32,27 +32,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "own time from the CUDA profiler")
 
 
+#: Launch settings ``--sweep`` times beside the defaults (``TopkConfig`` fields).
 SWEEP = [{"select": "triton"}, {"pdl": False}, {"gluon_select_warps": 16}, {"select_warps": 16},
-         {"select_warps": 8}, {"V": 4}, {"SAMPLE_BITS": 8}, {"SAMPLES": 1024}, {"TIES": 64}]
+         {"select_warps": 8}, {"vec": 4}, {"sample_bits": 8}, {"samples": 1024}, {"ties": 64}]
 
 
 def run_sweep(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.Tensor) -> None:
-    from dsacache.ops.topk.triton_kernels import launch_topk
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk
 
     starts = None  # as topk_indices passes it without row_starts
     out = torch.empty(logits.shape[0], k, dtype=torch.int32, device="cuda")
-    for cfg in SWEEP:
+    for settings in SWEEP:
+        cfg = TopkConfig(**settings)
         launch_topk(logits, seq_lens, starts, out, cfg)
         ms = time_graph(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
-        print(f"sweep topk {tuple(logits.shape)} {cfg}: {ms * 1e3:.1f} us"
+        print(f"sweep topk {tuple(logits.shape)} {settings}: {ms * 1e3:.1f} us"
               f"{'' if torch.equal(out, ref) else ' WRONG'}", flush=True)
-
-
-def select_kernel(logits: torch.Tensor, k: int) -> str:
-    """Which v3 select step runs first on these rows with the default settings: "gluon" or "triton"."""
-    from dsacache.ops.topk import triton_kernels
-
-    return triton_kernels.select_kernel(triton_kernels.TOPK_CONFIG, logits, k)
 
 
 def kernel_times_us(fn, reps: int = 20) -> dict[str, float]:
@@ -124,6 +119,8 @@ def check_slots(positions: torch.Tensor, block_table: torch.Tensor) -> None:
 
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
+    from dsacache.ops.topk.launch import select_kernel
+
     rows: list[BenchRow] = []
     for batch, length, dist in itertools.product(args.batch, args.lens, args.dist):
         logits, seq_lens = make_logits(batch, length, dist=dist)

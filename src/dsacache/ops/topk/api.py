@@ -79,7 +79,7 @@ def topk_indices(
         lens = torch.minimum(seq_lens.clamp_min(0), width - starts)
         return out.copy_(naive.topk_positions(logits, lens, starts, k))
 
-    from dsacache.ops.topk.triton_kernels import launch_topk
+    from dsacache.ops.topk.launch import launch_topk
 
     if num_rows:  # the kernels clamp the lengths and starts themselves (no extra launches)
         if logits.stride(1) != 1:
@@ -130,7 +130,7 @@ def positions_to_slots(
     if not use_triton(impl, positions):
         return naive.positions_to_slots(positions, block_table, next_n, limit)
 
-    from dsacache.ops.topk.triton_kernels import launch_positions_to_slots
+    from dsacache.ops.topk.launch import launch_positions_to_slots
 
     out = torch.empty_like(positions, memory_format=torch.contiguous_format)
     if positions.numel():
