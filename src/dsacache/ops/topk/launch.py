@@ -11,7 +11,7 @@ A row of ``n`` valid logits is selected one of two ways:
   2. ``filter.topk_filter_kernel``, PROGS one-warp programs a row: the candidates in
      position order, and their histogram;
   3. the select: on Hopper and newer (compiled CUDA), ``select_gluon.topk_select_ballot_kernel``
-     first for the rows it can take, then ``select.topk_select_kernel`` for the rest;
+     first for the rows it can take, then ``select_triton.topk_select_kernel`` for the rest;
      elsewhere the Triton select for every row. A missed cut-off or a skewed row is one
      of the Triton select's own branches.
 
@@ -29,7 +29,7 @@ import triton
 
 from dsacache.ops.topk.cutoff import topk_cutoff_kernel
 from dsacache.ops.topk.filter import FILTER_TILE_V, filter_tile_ptx, filter_tile_regs, topk_filter_kernel
-from dsacache.ops.topk.select import topk_select_kernel
+from dsacache.ops.topk.select_triton import topk_select_kernel
 from dsacache.ops.topk.slots import positions_to_slots_kernel
 from dsacache.ops.triton_utils import INTERPRET, check_launch, l2_cache_bytes, sm_count
 

@@ -1,6 +1,6 @@
 """Step 3 on Hopper and newer, in Gluon: the select with warp ballots instead of tile-wide scans.
 
-The Triton select (``select.py``) works on a [segments, slots] tile whose scans and
+The Triton select (``select_triton.py``) works on a [segments, slots] tile whose scans and
 reductions Triton lays out for itself, which costs many instructions a warp and spills.
 Here the candidates are 32-slot chunks, one warp a run of consecutive chunks and one lane a
 slot, so:
