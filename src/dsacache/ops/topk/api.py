@@ -11,6 +11,7 @@ import torch
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.dispatch import check_same_device, use_triton
 from dsacache.ops.topk import naive
+from dsacache.runtime.block_table import check_block_table
 
 #: Default number of positions kept per row (``index_topk`` of DeepSeek V3.2 and Kimi-K3.1).
 DEFAULT_TOPK = 2048
@@ -98,8 +99,9 @@ def positions_to_slots(
     """Turn request-local token positions into cache slots for the sparse attention kernel.
 
     ``slot = block_table[r // next_n, pos // 64] * 64 + pos % 64`` for row ``r`` (decode
-    rows come ``next_n`` to a request). ``-1`` stays ``-1``; a position whose block is past
-    the table, or whose entry is negative (or ``>= num_pages`` when given), also gives ``-1``.
+    rows come ``next_n`` to a request). ``-1`` stays ``-1``; a position whose block is unusable
+    (past the table, or an entry that is negative or ``>= num_pages`` when given: the rule of
+    :mod:`dsacache.runtime.block_table`) also gives ``-1``.
 
     Args:
         positions: ``[R, k]`` int32 (e.g. from :func:`topk_indices`).
@@ -121,10 +123,7 @@ def positions_to_slots(
         raise ValueError(f"positions must be int32 [R, k], got {tuple(positions.shape)} {positions.dtype}")
     if next_n < 1 or positions.shape[0] % next_n:
         raise ValueError(f"next_n={next_n} must be >= 1 and divide the {positions.shape[0]} rows")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 \
-            or block_table.shape[0] != positions.shape[0] // next_n:
-        raise ValueError(f"block_table must be int32 [{positions.shape[0] // next_n}, max_blocks], "
-                         f"got {tuple(block_table.shape)} {block_table.dtype}")
+    check_block_table(block_table, positions.shape[0] // next_n)
     check_same_device(positions=positions, block_table=block_table)
     limit = 2**31 // KERNEL_PAGE_SIZE if num_pages is None else num_pages
     if not use_triton(impl, positions):

@@ -1,9 +1,14 @@
-"""Request positions -> cache slots through the block table (one program a row and column block)."""
+"""Request positions -> cache slots through the block table (one program a row and column block).
+
+The block-table lookup is ``triton_utils.block_table_page``, the rule every paged kernel follows.
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from dsacache.ops.triton_utils import block_table_page
 
 
 @triton.jit
@@ -18,9 +23,8 @@ def positions_to_slots_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < num_cols
     pos = tl.load(pos_ptr + row.to(tl.int64) * pos_stride + cols, mask=in_row, other=-1)
-    block = pos // PAGE
-    known = (pos >= 0) & (block < max_blocks)
-    page = tl.load(bt_ptr + (row // NEXT_N).to(tl.int64) * bt_stride + block, mask=known, other=-1)
-    ok = known & (page >= 0) & (page < num_pages)
+    # pos // PAGE truncates towards 0: a negative position is ruled out by ``live``, not by its block
+    page, ok = block_table_page(bt_ptr + (row // NEXT_N).to(tl.int64) * bt_stride, pos // PAGE, pos >= 0, max_blocks,
+                                num_pages)
     slots = tl.where(ok, page * PAGE + pos % PAGE, -1)
     tl.store(out_ptr + row.to(tl.int64) * num_cols + cols, slots, mask=in_row)
