@@ -1,6 +1,8 @@
 """Top-k and positions -> slots: Triton (interpreter on CPU, compiled on CUDA) against the
 PyTorch reference, and both against torch.topk (as sets, never by raw order)."""
 
+import re
+
 import pytest
 import torch
 
@@ -240,17 +242,109 @@ def test_row_starts_are_prefill_windows(impl):
         assert as_sets(out[row:row + 1]) == as_sets(expected[None])
 
 
-def test_topk_validation():
-    logits = torch.zeros(2, 10)
-    lens = torch.tensor([3, 4], dtype=torch.int32)
-    with pytest.raises(ValueError, match="k=0"):
-        topk_indices(logits, lens, k=0)
-    with pytest.raises(ValueError, match="k=4097"):
-        topk_indices(logits, lens, k=4097)
-    with pytest.raises(ValueError, match="seq_lens"):
-        topk_indices(logits, lens[:1], k=2)
-    with pytest.raises(ValueError, match="logits"):
-        topk_indices(logits.double(), lens, k=2)
+def topk_edge(case, device):
+    """(logits, seq_lens, row_starts, k, expected output) of an edge case both paths must agree on."""
+    i32 = dict(dtype=torch.int32, device=device)
+    ramp = torch.arange(5.0, device=device)[None, :]
+    if case == "zero-width logits":
+        return torch.zeros(2, 0, device=device), torch.tensor([3, 0], **i32), None, 4, [[-1] * 4] * 2
+    if case == "zero rows":
+        return torch.zeros(0, 10, device=device), torch.zeros(0, **i32), None, 4, torch.zeros(0, 4)
+    if case == "zero rows, zero width":
+        return torch.zeros(0, 0, device=device), torch.zeros(0, **i32), None, 4, torch.zeros(0, 4)
+    if case == "k larger than the width":
+        return ramp, torch.tensor([5], **i32), None, 8, [[0, 1, 2, 3, 4, -1, -1, -1]]
+    if case == "lengths past the width":
+        return ramp.repeat(2, 1), torch.tensor([9, 2**31 - 1], **i32), None, 3, [[2, 3, 4], [2, 3, 4]]
+    if case == "negative lengths":
+        return ramp.repeat(2, 1), torch.tensor([-1, -(2**31)], **i32), None, 3, [[-1] * 3] * 2
+    if case == "starts past the width, negative starts":
+        return (ramp.repeat(3, 1), torch.tensor([5, 5, 2], **i32), torch.tensor([5, -4, 7], **i32), 2,
+                [[-1, -1], [3, 4], [-1, -1]])
+    raise AssertionError(case)
+
+
+TOPK_EDGES = ["zero-width logits", "zero rows", "zero rows, zero width", "k larger than the width",
+              "lengths past the width", "negative lengths", "starts past the width, negative starts"]
+
+
+@pytest.mark.parametrize("case", TOPK_EDGES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_topk_edges_give_the_same_answer_on_both_paths(impl, case):
+    logits, lens, starts, k, expected = topk_edge(case, DEVICE)
+    out = run_topk(impl, logits, lens, k, row_starts=starts)
+    assert out.shape == (logits.shape[0], k)
+    assert out.tolist() == torch.as_tensor(expected).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TOPK_EDGES)
+def test_topk_edges_gpu(case):
+    logits, lens, starts, k, expected = topk_edge(case, "cuda")
+    for impl in ("triton", "torch"):
+        assert run_topk(impl, logits, lens, k, row_starts=starts).tolist() == torch.as_tensor(expected).tolist()
+
+
+def bad_topk_call(case):
+    """(arguments of topk_indices with one wrong, the argument the refusal must name)."""
+    logits = torch.zeros(2, 10, device=DEVICE)
+    lens = torch.tensor([3, 4], dtype=torch.int32, device=DEVICE)
+    good = dict(logits=logits, seq_lens=lens, k=2)
+    wrong = {
+        "logits float16": ("logits", dict(logits=logits.half())),
+        "logits float64": ("logits", dict(logits=logits.double())),
+        "logits 1-D": ("logits", dict(logits=logits[0])),
+        "logits a list": ("logits", dict(logits=logits.tolist())),
+        "seq_lens float": ("seq_lens", dict(seq_lens=lens.float())),
+        "seq_lens uint8": ("seq_lens", dict(seq_lens=lens.to(torch.uint8))),
+        "seq_lens one short": ("seq_lens", dict(seq_lens=lens[:1])),
+        "seq_lens [R, 1]": ("seq_lens", dict(seq_lens=lens[:, None])),
+        "seq_lens a list": ("seq_lens", dict(seq_lens=[3, 4])),
+        "row_starts a list": ("row_starts", dict(row_starts=[0, 0])),
+        "row_starts int16": ("row_starts", dict(row_starts=lens.to(torch.int16))),
+        "k 0": ("k=0", dict(k=0)),
+        "k 4097": ("k=4097", dict(k=4097)),
+        "k a float": ("k=2.0", dict(k=2.0)),
+        "k a string": ("k='2'", dict(k="2")),
+        "k a bool": ("k=True", dict(k=True)),
+        "k a tensor": ("k=tensor", dict(k=torch.tensor(2))),
+        "out int64": ("out", dict(out=torch.zeros(2, 2, dtype=torch.int64, device=DEVICE))),
+        "out too small": ("out", dict(out=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))),
+        "out not contiguous": ("out", dict(out=torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)[:, ::2])),
+        "out a list": ("out", dict(out=[[0, 0], [0, 0]])),
+    }[case]
+    return {**good, **wrong[1]}, wrong[0]
+
+
+TOPK_REFUSALS = ["logits float16", "logits float64", "logits 1-D", "logits a list", "seq_lens float",
+                 "seq_lens uint8", "seq_lens one short", "seq_lens [R, 1]", "seq_lens a list", "row_starts a list",
+                 "row_starts int16", "k 0", "k 4097", "k a float", "k a string", "k a bool", "k a tensor",
+                 "out int64", "out too small", "out not contiguous", "out a list"]
+
+
+@pytest.mark.parametrize("case", TOPK_REFUSALS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_topk_refuses_the_same_on_both_paths(impl, case):
+    """A ValueError naming the argument, before anything is written (a given ``out`` keeps its bytes)."""
+    kwargs, name = bad_topk_call(case)
+    sentinel = None
+    if "out" not in kwargs:
+        kwargs["out"] = sentinel = torch.full((2, 2), -7, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape(name)):
+        topk_indices(**kwargs, impl=impl)
+    assert sentinel is None or (sentinel == -7).all()
+
+
+def test_topk_refuses_an_unknown_impl_or_launch_setting():
+    pytest.importorskip("triton")
+    from dsacache.ops.topk.launch import TopkConfig
+
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        topk_indices(torch.zeros(1, 4), torch.tensor([4], dtype=torch.int32), 2, impl="cuda")
+    with pytest.raises(ValueError, match="select='fast'"):
+        TopkConfig(select="fast")
+    with pytest.raises(ValueError, match="ahead=3"):
+        TopkConfig(ahead=3)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -280,6 +374,78 @@ def test_topk_then_slots_random(impl):
     ok = out >= 0
     page = table.long()[torch.arange(6, device=DEVICE)[:, None] // 2, (positions.long() // 64).clamp(0, 9)]
     assert torch.equal(ok, (positions >= 0) & (page >= 0) & (page < 90))
+
+
+def slots_edge(case, device):
+    """(positions, block_table, next_n, num_pages, expected slots) of an edge case."""
+    i32 = dict(dtype=torch.int32, device=device)
+    positions = torch.tensor([[0, 64, 130, -1], [63, 2**31 - 1, -(2**31), 127]], **i32)
+    table = torch.tensor([[1, 2]], **i32)
+    if case == "zero rows":
+        return torch.zeros(0, 4, **i32), torch.zeros(0, 2, **i32), 1, None, torch.zeros(0, 4)
+    if case == "zero columns":
+        return torch.zeros(2, 0, **i32), table, 2, None, torch.zeros(2, 0)
+    if case == "zero-width table":
+        return positions, torch.zeros(1, 0, **i32), 2, None, [[-1] * 4] * 2
+    if case == "no pages":
+        return positions, table, 2, 0, [[-1] * 4] * 2
+    if case == "extreme positions":
+        return positions, table, 2, None, [[64, 128, -1, -1], [127, -1, -1, 191]]
+    if case == "entries past the int32 slots":
+        return positions, torch.tensor([[2**25, 2**25 - 1]], **i32), 2, None, \
+            [[-1, 2**31 - 64, -1, -1], [-1, -1, -1, 2**31 - 1]]
+    raise AssertionError(case)
+
+
+SLOTS_EDGES = ["zero rows", "zero columns", "zero-width table", "no pages", "extreme positions",
+               "entries past the int32 slots"]
+
+
+@pytest.mark.parametrize("case", SLOTS_EDGES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_positions_to_slots_edges_give_the_same_answer_on_both_paths(impl, case):
+    positions, table, next_n, num_pages, expected = slots_edge(case, DEVICE)
+    out = positions_to_slots(positions, table, next_n=next_n, num_pages=num_pages, impl=impl)
+    assert out.dtype == torch.int32 and out.shape == positions.shape
+    assert out.tolist() == torch.as_tensor(expected).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SLOTS_EDGES)
+def test_positions_to_slots_edges_gpu(case):
+    positions, table, next_n, num_pages, expected = slots_edge(case, "cuda")
+    for impl in ("triton", "torch"):
+        out = positions_to_slots(positions, table, next_n=next_n, num_pages=num_pages, impl=impl)
+        assert out.tolist() == torch.as_tensor(expected).tolist()
+
+
+SLOTS_REFUSALS = {
+    "positions int64": ("positions", dict(positions=torch.zeros(2, 3, dtype=torch.int64))),
+    "positions 1-D": ("positions", dict(positions=torch.zeros(6, dtype=torch.int32))),
+    "positions a list": ("positions", dict(positions=[[0, 1, 2]] * 2)),
+    "block_table int64": ("block_table", dict(block_table=torch.zeros(1, 2, dtype=torch.int64))),
+    "block_table a list": ("block_table", dict(block_table=[[1, 2]])),
+    "block_table rows": ("block_table", dict(block_table=torch.zeros(2, 2, dtype=torch.int32))),
+    "next_n 0": ("next_n=0", dict(next_n=0)),
+    "next_n a float": ("next_n=2.0", dict(next_n=2.0)),
+    "next_n a bool": ("next_n=True", dict(next_n=True)),
+    "next_n not dividing": ("next_n=3", dict(next_n=3)),
+    "num_pages negative": ("num_pages=-1", dict(num_pages=-1)),
+    "num_pages a float": ("num_pages=2.5", dict(num_pages=2.5)),
+    "num_pages past int32 slots": ("num_pages=33554433", dict(num_pages=2**25 + 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(SLOTS_REFUSALS))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_positions_to_slots_refuses_the_same_on_both_paths(impl, case):
+    name, wrong = SLOTS_REFUSALS[case]
+    good = dict(positions=torch.zeros(2, 3, dtype=torch.int32), block_table=torch.zeros(1, 2, dtype=torch.int32),
+                next_n=2)
+    kwargs = {key: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+              for key, value in {**good, **wrong}.items()}
+    with pytest.raises(ValueError, match=re.escape(name)):
+        positions_to_slots(**kwargs, impl=impl)
 
 
 @pytest.mark.gpu
