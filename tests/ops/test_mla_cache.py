@@ -135,7 +135,7 @@ def bad_calls():
         ("slot_mapping values", lambda p: store_mla_latents(kv_c, k_pe, p, torch.tensor([0, 1, 2, 128]))),
         ("slot_mapping values", lambda p: store_mla_latents(kv_c, k_pe, p, torch.tensor([0, -2, 1, 2]))),
         ("1-D int32 or int64", lambda p: store_mla_latents(kv_c, k_pe, p, slots.float())),
-        ("1-D int32 or int64", lambda p: store_mla_latents(kv_c, k_pe, p, [0, 1, 2, 3])),
+        ("slot_mapping must be a torch.Tensor", lambda p: store_mla_latents(kv_c, k_pe, p, [0, 1, 2, 3])),
         ("k_scale applies to kv_cache_dtype 'fp8' only", lambda p: store_mla_latents(
             kv_c, k_pe, p, slots, k_scale=torch.tensor([1.0]))),
         ("check_slots must be True or False", lambda p: store_mla_latents(kv_c, k_pe, p, slots, check_slots=1)),

@@ -7,10 +7,10 @@ import torch
 from dsacache.dispatch import check_same_device, use_triton
 from dsacache.formats.mla_entry import MlaEntryFormat
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.ops.checks import check_slot_mapping
 from dsacache.ops.mla_cache import naive
 
 LATENT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_latents(kv_c: object, k_pe: object) -> tuple[int, int]:
@@ -57,25 +57,6 @@ def _check_k_scale(k_scale: object, fmt: MlaEntryFormat, check_slots: bool) -> N
         raise ValueError(f"k_scale must be positive and finite, got {float(k_scale)}")
 
 
-def _check_slot_mapping(slot_mapping: object, num_tokens: int, num_pages: int, check_slots: bool) -> None:
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1 or slot_mapping.dtype not in INDEX_DTYPES:
-        raise ValueError(f"slot_mapping must be a 1-D int32 or int64 tensor, got "
-                         f"{tuple(getattr(slot_mapping, 'shape', ()))} {getattr(slot_mapping, 'dtype', type(slot_mapping))}")
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
-    if num_tokens > 1 and slot_mapping.stride(0) != 1:
-        raise ValueError("slot_mapping must be contiguous")
-    if not isinstance(check_slots, bool):
-        raise ValueError(f"check_slots must be True or False, got {check_slots!r}")
-    if not check_slots or num_tokens == 0:
-        return
-    low, high = (int(v) for v in torch.aminmax(slot_mapping))
-    num_slots = num_pages * KERNEL_PAGE_SIZE
-    if low < -1 or high >= num_slots:
-        raise ValueError(f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) for {num_pages} pages; "
-                         f"got min {low}, max {high}")
-
-
 def store_mla_latents(kv_c: torch.Tensor, k_pe: torch.Tensor | None, mla_pages: torch.Tensor,
                       slot_mapping: torch.Tensor, kv_cache_dtype: str | MlaEntryFormat | None = None, *,
                       k_scale: torch.Tensor | None = None, impl: str = "auto", check_slots: bool = True) -> None:
@@ -114,7 +95,7 @@ def store_mla_latents(kv_c: torch.Tensor, k_pe: torch.Tensor | None, mla_pages: 
     """
     rank, rope = _check_latents(kv_c, k_pe)
     fmt = _pages_format(mla_pages, rank, rope, kv_cache_dtype)
-    _check_slot_mapping(slot_mapping, kv_c.shape[0], mla_pages.shape[0], check_slots)
+    check_slot_mapping(slot_mapping, kv_c.shape[0], mla_pages.shape[0], check_slots)
     _check_k_scale(k_scale, fmt, check_slots)
     tensors = dict(kv_c=kv_c, mla_pages=mla_pages, slot_mapping=slot_mapping)
     tensors.update({name: t for name, t in (("k_pe", k_pe), ("k_scale", k_scale)) if t is not None})
