@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.planner.layout import attention_rows_for
 from dsacache.runtime.block_table import build_block_table, kernel_pages
 from dsacache.runtime.dcp import dcp_local_len
 from dsacache.runtime.prefix import BlockHash, PrefixCache, hash_block
@@ -153,8 +154,9 @@ class RowAllocator:
         return self.prefix.num_parked if self.prefix else 0
 
     def rows_for_tokens(self, num_tokens: int) -> int:
-        """Attention rows that hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.tokens_per_row)
+        """Attention rows that hold ``num_tokens`` tokens (the planner's rule,
+        :func:`dsacache.planner.layout.attention_rows_for`)."""
+        return attention_rows_for(num_tokens, self.block_size, self.dcp_world_size)
 
     # Lifecycle -----------------------------------------------------------------------
 

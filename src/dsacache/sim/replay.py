@@ -173,8 +173,7 @@ class Replay:
 
     def _never_fits(self, request: SimRequest) -> bool:
         """A request whose full length needs more rows than the whole pool is rejected outright."""
-        rows = self.allocator.rows_for_tokens(request.prompt_len + request.output_len)
-        return rows + self.allocator.state_rows_per_request > self.allocator.num_rows
+        return self.layout.rows_per_request(request.prompt_len + request.output_len) > self.allocator.num_rows
 
     def _sample_usage(self) -> None:
         """Bytes holding tokens and states vs bytes of the rows they occupy (parked rows excluded)."""
@@ -188,7 +187,8 @@ class Replay:
                     seen.add(row)
                     tokens += min(alloc.tokens_per_row, n - i * alloc.tokens_per_row)
         num_requests = alloc.num_requests
-        usage.token_bytes += tokens * layout.row_bytes_per_token
+        # Under DCP each rank stores its share of a row's tokens: count the mean rank's bytes.
+        usage.token_bytes += tokens * layout.row_bytes_per_token / layout.config.decode_context_parallel_size
         usage.attention_bytes += len(seen) * layout.row_bytes
         # Only states held in the pool count: a paged layout keeps KDA states outside it.
         if layout.state_rows_per_request:
