@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsacache.runtime import OutOfRowsError, RowAllocator
+from dsacache.runtime import DcpSettings, OutOfRowsError, RowAllocator
 
 BS = 128  # tokens per row in these tests (two kernel pages)
 
@@ -181,7 +181,7 @@ class TestPrefixReuse:
 
 
 def test_dcp_rows_cover_world_times_block_tokens():
-    alloc = make(num_rows=20, state_rows=0, dcp_world_size=2)
+    alloc = make(num_rows=20, state_rows=0, dcp=DcpSettings(world_size=2))
     alloc.add("a", num_tokens=2 * BS + 1)  # rank 0 stores 129 tokens -> 2 rows, 3 pages
     assert len(alloc.attention_rows("a")) == 2
     assert len(alloc.kernel_pages("a")) == 3
@@ -222,7 +222,7 @@ class TestBadInput:
     @pytest.mark.parametrize("kw, match", [
         (dict(num_rows=0), "num_rows"),
         (dict(block_size=100), "block_size"),
-        (dict(dcp_interleave=3), "dcp_interleave"),
+        (dict(dcp=DcpSettings(interleave=3)), "cp_kv_cache_interleave_size"),
     ])
     def test_bad_settings(self, kw, match):
         args = dict(num_rows=4, block_size=BS, state_rows_per_request=1) | kw

@@ -167,8 +167,17 @@ class CacheLayout:
             raise ConfigError(f"block_size={block_size} must be a multiple of {self.kernel_page_size}")
         if block_size * self.row_bytes_per_token < self.states_per_row * self.state_bytes:
             raise ConfigError(f"block_size={block_size} rows cannot hold {self.states_per_row} KDA states")
+        _check_interleave(self.config, block_size)
         num_rows = self.pool_bytes // (block_size * self.row_bytes_per_token)
         return dataclasses.replace(self, block_size=block_size, num_rows=num_rows)
+
+
+def _check_interleave(config: CacheConfig, block_size: int) -> None:
+    """A row must cover the same global tokens on every DCP rank: the interleave divides the block."""
+    interleave = config.cp_kv_cache_interleave_size
+    if block_size % interleave:
+        raise ConfigError(f"cp_kv_cache_interleave_size={interleave} must divide the block size {block_size}; "
+                          "use 1 or a power of two up to 64")
 
 
 def attention_rows_for(num_tokens: int, block_size: int, dcp_world_size: int = 1) -> int:
@@ -254,6 +263,7 @@ def plan(config: CacheConfig, num_rows: int | None = None) -> CacheLayout:
         kind, kda_slots = "paged", ()
     if state is not None and state.recurrent_offset % 4 or (state and state.nbytes % 4):
         raise ConfigError(f"KDA state of {state.nbytes} B is not 4-byte aligned; fp32 recurrent states need it")
+    _check_interleave(config, block)
     rows = config.cache_memory_bytes // (block * per_token) if num_rows is None else num_rows
     if rows < 0:
         raise ConfigError(f"num_rows must be >= 0, got {rows}")

@@ -2,8 +2,9 @@
 
 All rows are equal and come from one free list. A request owns
 ``state_rows_per_request`` *state rows* (its KDA states) for its whole life, and one
-*attention row* per ``block_size`` tokens (per ``block_size * dcp_world_size`` tokens
-with decode context parallelism, since each rank stores only its share).
+*attention row* per ``block_size`` tokens (per ``block_size x dcp.world_size`` tokens
+with decode context parallelism: every rank holds the same row ids, each storing its
+share of the row's tokens).
 
 Every row is in exactly one of three places: the free list, in use (reference count
 >= 1), or parked in the prefix cache (a full block nobody owns, reusable by content
@@ -21,6 +22,7 @@ token is always computed and a request never writes into a shared row.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +31,7 @@ import torch
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.planner.layout import attention_rows_for
 from dsacache.runtime.block_table import build_block_table, kernel_pages
-from dsacache.runtime.dcp import dcp_local_len
+from dsacache.runtime.dcp import NO_DCP, DcpSettings
 from dsacache.runtime.prefix import BlockHash, PrefixCache, hash_block
 
 RequestId = Hashable
@@ -84,17 +86,17 @@ class RowAllocator:
         *,
         enable_prefix_reuse: bool = True,
         max_num_pages_per_request: int | None = None,
-        dcp_world_size: int = 1,
-        dcp_interleave: int = 1,
+        dcp: DcpSettings = NO_DCP,
     ) -> None:
-        self._check_settings(num_rows, block_size, state_rows_per_request, dcp_world_size, dcp_interleave)
+        self._check_settings(num_rows, block_size, state_rows_per_request, dcp)
         self.num_rows = num_rows
         self.block_size = block_size
         self.pages_per_row = block_size // KERNEL_PAGE_SIZE
         self.state_rows_per_request = state_rows_per_request
-        self.tokens_per_row = block_size * dcp_world_size
-        self.dcp_world_size = dcp_world_size
-        self.dcp_interleave = dcp_interleave
+        self.dcp = dcp
+        self.tokens_per_row = block_size * dcp.world_size
+        # Rank 0 stores the most of every request: its page count sizes every rank's table.
+        self._busiest_rank = dataclasses.replace(dcp, rank=0)
         self.max_num_pages_per_request = max_num_pages_per_request
         self.prefix = PrefixCache() if enable_prefix_reuse else None
         self.stats = PrefixStats()
@@ -104,23 +106,21 @@ class RowAllocator:
         self._requests: dict[RequestId, _Request] = {}
 
     @staticmethod
-    def _check_settings(num_rows, block_size, state_rows, world, interleave) -> None:
+    def _check_settings(num_rows, block_size, state_rows, dcp) -> None:
         if num_rows < 1:
             raise ValueError(f"num_rows={num_rows} must be >= 1")
         if block_size < KERNEL_PAGE_SIZE or block_size % KERNEL_PAGE_SIZE:
             raise ValueError(f"block_size={block_size} must be a positive multiple of {KERNEL_PAGE_SIZE}")
         if state_rows < 0:
             raise ValueError(f"state_rows_per_request={state_rows} must be >= 0")
-        if world < 1 or interleave < 1:
-            raise ValueError(f"dcp_world_size={world} and dcp_interleave={interleave} must be >= 1")
-        if block_size % interleave:
-            # A row then covers the same global tokens on every rank, so it can be hashed.
-            raise ValueError(f"dcp_interleave={interleave} must divide block_size={block_size}")
+        if not isinstance(dcp, DcpSettings):
+            raise ValueError(f"dcp must be a DcpSettings, got {type(dcp).__name__}")
+        dcp.check_block_size(block_size)
 
     @classmethod
     def from_layout(cls, layout, *, num_rows: int | None = None, **kwargs) -> RowAllocator:
-        """An allocator for a planned ``CacheLayout`` (DCP world size from its config)."""
-        kwargs.setdefault("dcp_world_size", layout.config.decode_context_parallel_size)
+        """An allocator for a planned ``CacheLayout`` (DCP settings from its config)."""
+        kwargs.setdefault("dcp", DcpSettings.from_config(layout.config))
         return cls(
             num_rows if num_rows is not None else layout.num_rows,
             layout.block_size,
@@ -156,7 +156,7 @@ class RowAllocator:
     def rows_for_tokens(self, num_tokens: int) -> int:
         """Attention rows that hold ``num_tokens`` tokens (the planner's rule,
         :func:`dsacache.planner.layout.attention_rows_for`)."""
-        return attention_rows_for(num_tokens, self.block_size, self.dcp_world_size)
+        return attention_rows_for(num_tokens, self.block_size, self.dcp.world_size)
 
     # Lifecycle -----------------------------------------------------------------------
 
@@ -266,7 +266,7 @@ class RowAllocator:
 
     def num_pages(self, request_id: RequestId) -> int:
         """Kernel pages the request's tokens use on the busiest DCP rank (rank 0)."""
-        local = dcp_local_len(self._get(request_id).num_tokens, self.dcp_world_size, 0, self.dcp_interleave)
+        local = self._busiest_rank.local_len(self._get(request_id).num_tokens)
         return -(-local // KERNEL_PAGE_SIZE)
 
     def kernel_pages(self, request_id: RequestId) -> list[int]:
