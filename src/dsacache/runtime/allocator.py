@@ -23,6 +23,7 @@ token is always computed and a request never writes into a shared row.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,10 +32,50 @@ import torch
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.planner.layout import attention_rows_for
 from dsacache.runtime.block_table import build_block_table, kernel_pages
+from dsacache.runtime.checks import int_arg, optional_int_arg
 from dsacache.runtime.dcp import NO_DCP, DcpSettings
 from dsacache.runtime.prefix import BlockHash, PrefixCache, hash_block
 
 RequestId = Hashable
+
+
+def _check_id(request_id: object) -> RequestId:
+    try:
+        hash(request_id)
+    except TypeError:
+        raise ValueError(f"request id must be hashable, got a {type(request_id).__name__}") from None
+    return request_id
+
+
+def token_id_array(token_ids: object, name: str = "token_ids") -> array:
+    """Token ids as an int64 ``array`` (one pass, before anything changes); see :class:`RowAllocator`."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype.is_complex \
+                or token_ids.dtype == torch.bool:
+            raise ValueError(f"{name} as a tensor must be 1-D of an integer dtype, got {token_ids.dtype} "
+                             f"{tuple(token_ids.shape)}")
+        token_ids = token_ids.tolist()
+    elif hasattr(token_ids, "dtype") and hasattr(token_ids, "tolist"):  # a NumPy array
+        if getattr(token_ids, "ndim", None) != 1 or token_ids.dtype.kind not in "iu":
+            raise ValueError(f"{name} as an array must be 1-D of an integer dtype, got {token_ids.dtype}")
+        token_ids = token_ids.tolist()
+    elif not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes, bytearray)):
+        raise ValueError(f"{name} must be a sequence of integers, got {type(token_ids).__name__}")
+    try:
+        return array("q", token_ids)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"{name} must hold integers in the int64 range ({exc})") from None
+
+
+def _tokens_and_count(token_ids, count, count_name: str) -> tuple[array | None, int]:
+    """(token ids as an array or None, the token count): checked and consistent."""
+    tokens = None if token_ids is None else token_id_array(token_ids)
+    if count is None:
+        return tokens, len(tokens)
+    count = int_arg(count, count_name)
+    if tokens is not None and len(tokens) != count:
+        raise ValueError(f"{count_name}={count} but {len(tokens)} token_ids")
+    return tokens, count
 
 
 class OutOfRowsError(RuntimeError):
@@ -49,7 +90,7 @@ class _Request:
     num_cached_tokens: int = 0
     last_hash: BlockHash | None = None
     # Token ids of the unfinished block; None once ids stop being known (no more hashing).
-    pending: list[int] | None = field(default_factory=list)
+    pending: array | None = field(default_factory=lambda: array("q"))
 
 
 @dataclass
@@ -67,6 +108,12 @@ class PrefixStats:
 
 class RowAllocator:
     """Rows of one pool handed to requests; see the module docstring for the rules.
+
+    Every call checks all its arguments before it changes anything: a call that raises
+    leaves the allocator exactly as it was. Request ids are any hashable values; token
+    counts are integers (Python or NumPy, not ``bool``, not float); token ids are a
+    sequence of integers in the int64 range (a list, tuple, range or ``array``, a 1-D
+    NumPy integer array, or a 1-D integer torch tensor, read back to the host once).
 
     >>> alloc = RowAllocator(num_rows=8, block_size=128, state_rows_per_request=1)
     >>> alloc.add("a", list(range(200)))      # 1 state row + 2 attention rows
@@ -88,34 +135,28 @@ class RowAllocator:
         max_num_pages_per_request: int | None = None,
         dcp: DcpSettings = NO_DCP,
     ) -> None:
-        self._check_settings(num_rows, block_size, state_rows_per_request, dcp)
-        self.num_rows = num_rows
-        self.block_size = block_size
-        self.pages_per_row = block_size // KERNEL_PAGE_SIZE
-        self.state_rows_per_request = state_rows_per_request
+        self.num_rows = int_arg(num_rows, "num_rows", 1)
+        self.block_size = int_arg(block_size, "block_size", KERNEL_PAGE_SIZE)
+        if self.block_size % KERNEL_PAGE_SIZE:
+            raise ValueError(f"block_size={block_size} must be a positive multiple of {KERNEL_PAGE_SIZE}")
+        self.state_rows_per_request = int_arg(state_rows_per_request, "state_rows_per_request")
+        self.max_num_pages_per_request = optional_int_arg(max_num_pages_per_request, "max_num_pages_per_request", 1)
+        if not isinstance(enable_prefix_reuse, bool):
+            raise ValueError(f"enable_prefix_reuse must be True or False, got {enable_prefix_reuse!r}")
+        if not isinstance(dcp, DcpSettings):
+            raise ValueError(f"dcp must be a DcpSettings, got {type(dcp).__name__}")
+        dcp.check_block_size(self.block_size)
+        self.pages_per_row = self.block_size // KERNEL_PAGE_SIZE
         self.dcp = dcp
-        self.tokens_per_row = block_size * dcp.world_size
+        self.tokens_per_row = self.block_size * dcp.world_size
         # Rank 0 stores the most of every request: its page count sizes every rank's table.
         self._busiest_rank = dataclasses.replace(dcp, rank=0)
-        self.max_num_pages_per_request = max_num_pages_per_request
         self.prefix = PrefixCache() if enable_prefix_reuse else None
         self.stats = PrefixStats()
         # Popped from the end: rows are handed out in increasing order from a fresh pool.
-        self._free: list[int] = list(range(num_rows - 1, -1, -1))
-        self._refs = [0] * num_rows
+        self._free: list[int] = list(range(self.num_rows - 1, -1, -1))
+        self._refs = [0] * self.num_rows
         self._requests: dict[RequestId, _Request] = {}
-
-    @staticmethod
-    def _check_settings(num_rows, block_size, state_rows, dcp) -> None:
-        if num_rows < 1:
-            raise ValueError(f"num_rows={num_rows} must be >= 1")
-        if block_size < KERNEL_PAGE_SIZE or block_size % KERNEL_PAGE_SIZE:
-            raise ValueError(f"block_size={block_size} must be a positive multiple of {KERNEL_PAGE_SIZE}")
-        if state_rows < 0:
-            raise ValueError(f"state_rows_per_request={state_rows} must be >= 0")
-        if not isinstance(dcp, DcpSettings):
-            raise ValueError(f"dcp must be a DcpSettings, got {type(dcp).__name__}")
-        dcp.check_block_size(block_size)
 
     @classmethod
     def from_layout(cls, layout, *, num_rows: int | None = None, **kwargs) -> RowAllocator:
@@ -162,7 +203,7 @@ class RowAllocator:
 
     def can_add(self, token_ids: Sequence[int] | None = None, num_tokens: int | None = None) -> bool:
         """Whether ``add`` would succeed now for a prompt of these tokens."""
-        num_tokens = self._prompt_len(token_ids, num_tokens)
+        token_ids, num_tokens = self._prompt(token_ids, num_tokens)
         hits = self._lookup_prefix(token_ids, num_tokens)
         return self._new_rows_for_prompt(num_tokens, hits) <= self._rows_available(hits)
 
@@ -178,9 +219,9 @@ class RowAllocator:
         out). Returns how many leading prompt tokens are already in the cache.
         Raises ``OutOfRowsError`` (nothing allocated) when the rows are not there.
         """
-        if request_id in self._requests:
+        if _check_id(request_id) in self._requests:
             raise ValueError(f"request id {request_id!r} is already allocated")
-        num_tokens = self._prompt_len(token_ids, num_tokens)
+        token_ids, num_tokens = self._prompt(token_ids, num_tokens)
         hits = self._lookup_prefix(token_ids, num_tokens)
         needed = self._new_rows_for_prompt(num_tokens, hits)
         if needed > self._rows_available(hits):
@@ -200,7 +241,7 @@ class RowAllocator:
     def can_extend(self, request_id: RequestId, num_new_tokens: int) -> bool:
         """Whether ``extend`` by ``num_new_tokens`` would succeed now."""
         request = self._get(request_id)
-        return self._rows_to_grow(request, num_new_tokens) <= self.num_free_rows
+        return self._rows_to_grow(request, int_arg(num_new_tokens, "num_new_tokens")) <= self.num_free_rows
 
     def extend(
         self,
@@ -215,14 +256,9 @@ class RowAllocator:
         blocks are not shared. Raises ``OutOfRowsError`` (nothing changes) when short.
         """
         request = self._get(request_id)
-        if num_new_tokens is None:
-            if token_ids is None:
-                raise ValueError("extend needs num_new_tokens or token_ids")
-            num_new_tokens = len(token_ids)
-        if token_ids is not None and len(token_ids) != num_new_tokens:
-            raise ValueError(f"{len(token_ids)} token_ids given for num_new_tokens={num_new_tokens}")
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
+        if num_new_tokens is None and token_ids is None:
+            raise ValueError("extend needs num_new_tokens or token_ids")
+        token_ids, num_new_tokens = _tokens_and_count(token_ids, num_new_tokens, "num_new_tokens")
         needed = self._rows_to_grow(request, num_new_tokens)
         if needed > self.num_free_rows:
             raise OutOfRowsError(
@@ -308,7 +344,7 @@ class RowAllocator:
     # Internals -----------------------------------------------------------------------
 
     def _check_known(self, request_id: RequestId) -> RequestId:
-        if request_id not in self._requests:
+        if _check_id(request_id) not in self._requests:
             raise ValueError(f"unknown request id {request_id!r}")
         return request_id
 
@@ -316,18 +352,13 @@ class RowAllocator:
         return self._requests[self._check_known(request_id)]
 
     @staticmethod
-    def _prompt_len(token_ids: Sequence[int] | None, num_tokens: int | None) -> int:
+    def _prompt(token_ids, num_tokens) -> tuple[array | None, int]:
         if token_ids is None and num_tokens is None:
             raise ValueError("give token_ids or num_tokens")
-        if token_ids is not None and num_tokens is not None and num_tokens != len(token_ids):
-            raise ValueError(f"num_tokens={num_tokens} but {len(token_ids)} token_ids")
-        n = len(token_ids) if token_ids is not None else num_tokens
-        if n < 0:
-            raise ValueError(f"num_tokens={n} must be >= 0")
-        return n
+        return _tokens_and_count(token_ids, num_tokens, "num_tokens")
 
     @staticmethod
-    def _tail(token_ids: Sequence[int] | None, start: int) -> Sequence[int] | None:
+    def _tail(token_ids: array | None, start: int) -> array | None:
         return None if token_ids is None else token_ids[start:]
 
     def _lookup_prefix(self, token_ids: Sequence[int] | None, num_tokens: int) -> list[int]:
