@@ -224,3 +224,18 @@ def test_step_builder_page_check_and_its_sync_free_form():
     assert (args["slot_mapping"] == 55).all()
     meta = build_indexer_metadata(**args, check=False, impl="torch")
     assert meta.slot_mapping[1 + 64:71].tolist() == [-1] * 6 and meta.slot_mapping[1] == 4 * 64
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(query_lens=[4.0]), r"query_lens\[0\] must be an integer"),
+    (dict(seq_lens=(4, 5)), "1 query_lens but 2 seq_lens"),
+    (dict(workspace_tokens="64"), "workspace_tokens"),
+    (dict(logits_bytes=1e6), "logits_bytes"),
+    (dict(first_token=-1), "first_token"),
+    (dict(first_req=0.0), "first_req"),
+    (dict(pcp_world_size="1"), "pcp_world_size"),
+])
+def test_prefill_chunks_refuse_bad_types(kw, match):
+    args = dict(query_lens=[4], seq_lens=[4], workspace_tokens=64, logits_bytes=1 << 10) | kw
+    with pytest.raises(ValueError, match=match):
+        plan_prefill_chunks(**args)

@@ -187,10 +187,24 @@ class TestErrors:
         (dict(dcp=2), "dcp must be a DcpSettings"),
         (dict(impl="cuda"), "impl"),
         (dict(page_size=0), "page_size"),
+        (dict(page_size=64.0), "page_size must be an integer"),
+        (dict(num_kernel_pages=8.5), "num_kernel_pages"),
+        (dict(num_kernel_pages="8"), "num_kernel_pages"),
+        (dict(out=[0]), "out must be a contiguous int64"),
+        (dict(out=torch.empty(4, dtype=torch.int32)), "out must be a contiguous int64"),
+        (dict(out=torch.empty(8, dtype=torch.int64)[::2]), "out must be a contiguous int64"),
     ])
     def test_bad_settings(self, kw, match):
         with pytest.raises(ValueError, match=match):
             compute_slot_mapping(i32([[1]]), i32([0, 1]), i64([0]), **kw)
+
+    def test_bad_argument_types(self):
+        with pytest.raises(ValueError, match="block_table must be an int32 tensor.*got list"):
+            compute_slot_mapping([[1]], i32([0, 1]), i64([0]))
+        with pytest.raises(ValueError, match="query_start_loc must be int32 .*got list"):
+            compute_slot_mapping(i32([[1]]), [0, 1], i64([0]))
+        with pytest.raises(ValueError, match="positions must be int64 .*got tuple"):
+            compute_slot_mapping(i32([[1]]), i32([0, 1]), (0,))
 
     def test_bad_dtypes(self):
         with pytest.raises(ValueError, match="block_table must be an int32 tensor"):

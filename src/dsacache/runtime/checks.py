@@ -11,6 +11,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
+import torch
+
 
 def is_int(value: object) -> bool:
     """An integer in the sense above."""
@@ -38,3 +40,12 @@ def int_list(values: object, name: str, minimum: int = 0) -> list[int]:
         if not is_int(value) or value < minimum:
             raise ValueError(f"{name}[{i}] must be an integer >= {minimum}, got {value!r}")
     return [int(v) for v in items]
+
+
+def device_arg(device: object, name: str = "device") -> torch.device:
+    """``device`` as a ``torch.device``; ``ValueError`` naming ``name`` for anything torch cannot parse."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name} must be a torch device or its name ('cpu', 'cuda', 'cuda:1'), got {device!r}") \
+            from None
