@@ -48,7 +48,10 @@ def _check_id(request_id: object) -> RequestId:
 
 
 def token_id_array(token_ids: object, name: str = "token_ids") -> array:
-    """Token ids as an int64 ``array`` (one pass, before anything changes); see :class:`RowAllocator`."""
+    """Token ids as an int64 ``array`` (one pass, before anything changes); see :class:`RowAllocator`.
+    An int64 ``array`` is taken as it is (never modified)."""
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        return token_ids
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype.is_complex \
                 or token_ids.dtype == torch.bool:

@@ -16,7 +16,7 @@ import torch
 
 def is_int(value: object) -> bool:
     """An integer in the sense above."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def int_arg(value: object, name: str, minimum: int = 0) -> int:

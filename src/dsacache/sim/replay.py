@@ -10,7 +10,9 @@ longer than the budget is admitted alone).
 
 from __future__ import annotations
 
+import functools
 import sys
+from array import array
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ class LayoutResult:
     num_rows: int
     row_bytes: int
     state_rows_per_request: int
+    tokens_per_row: int = 0  # block_size x the DCP world size
     num_steps: int = 0
     peak_running: int = 0
     mean_running: float = 0.0
@@ -98,7 +101,7 @@ class Replay:
         self.name, self.layout, self.workload, self.progress = name, layout, workload, progress
         self.allocator = RowAllocator.from_layout(layout)
         self.result = LayoutResult(name, layout.block_size, layout.num_rows, layout.row_bytes,
-                                   layout.state_rows_per_request)
+                                   layout.state_rows_per_request, layout.tokens_per_row)
         self._usage = _Usage()
 
     def run(self, max_steps: int = 1_000_000) -> LayoutResult:
@@ -161,7 +164,7 @@ class Replay:
                 continue
             if request.prompt_len > budget and admitted:
                 return
-            tokens = request.prompt_token_ids()
+            tokens = _prompt_ids(request)
             if not self.allocator.can_add(tokens):
                 self.result.admission_refusals += 1
                 return
@@ -209,6 +212,13 @@ class Replay:
         if self.allocator.num_requests or self.allocator.num_free_rows != self.allocator.num_rows:
             raise RuntimeError(f"{self.name}: rows still held after the stream drained")
         return result
+
+
+@functools.lru_cache(maxsize=4)
+def _prompt_ids(request: SimRequest) -> array:
+    """A request's prompt ids, built once while it waits at the head of the queue (it may be refused
+    many steps in a row)."""
+    return request.prompt_token_ids()
 
 
 def _ratio(num: float, den: float) -> float:
