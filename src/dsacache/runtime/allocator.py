@@ -33,7 +33,7 @@ from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.planner.layout import attention_rows_for
 from dsacache.runtime.block_table import build_block_table, kernel_pages
 from dsacache.runtime.checks import int_arg, optional_int_arg
-from dsacache.runtime.dcp import NO_DCP, DcpSettings
+from dsacache.runtime.dcp import NO_DCP, DcpSettings, check_dcp
 from dsacache.runtime.prefix import BlockHash, PrefixCache, hash_block
 
 RequestId = Hashable
@@ -146,9 +146,7 @@ class RowAllocator:
         self.max_num_pages_per_request = optional_int_arg(max_num_pages_per_request, "max_num_pages_per_request", 1)
         if not isinstance(enable_prefix_reuse, bool):
             raise ValueError(f"enable_prefix_reuse must be True or False, got {enable_prefix_reuse!r}")
-        if not isinstance(dcp, DcpSettings):
-            raise ValueError(f"dcp must be a DcpSettings, got {type(dcp).__name__}")
-        dcp.check_block_size(self.block_size)
+        check_dcp(dcp).check_block_size(self.block_size)
         self.pages_per_row = self.block_size // KERNEL_PAGE_SIZE
         self.dcp = dcp
         self.tokens_per_row = self.block_size * dcp.world_size

@@ -49,3 +49,18 @@ def device_arg(device: object, name: str = "device") -> torch.device:
     except (RuntimeError, TypeError, ValueError):
         raise ValueError(f"{name} must be a torch device or its name ('cpu', 'cuda', 'cuda:1'), got {device!r}") \
             from None
+
+
+def describe(value: object) -> str:
+    """A tensor's dtype and shape, or another value's type name (for error messages)."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def tensor_arg(value: object, name: str, dtype: torch.dtype, dim: int, what: str, contiguous: bool = False) -> None:
+    """``ValueError`` ("``name`` must be ``what``, got ...") unless ``value`` is a ``dim``-D ``dtype`` tensor
+    (and contiguous when asked)."""
+    if (not isinstance(value, torch.Tensor) or value.dim() != dim or value.dtype != dtype
+            or contiguous and not value.is_contiguous()):
+        raise ValueError(f"{name} must be {what}, got {describe(value)}")

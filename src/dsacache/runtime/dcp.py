@@ -87,3 +87,11 @@ class DcpSettings:
 
 #: No context parallelism: one rank stores every token.
 NO_DCP = DcpSettings()
+
+
+def check_dcp(dcp: object) -> DcpSettings:
+    """``dcp`` itself, or a ``ValueError`` unless it is a :class:`DcpSettings`."""
+    if not isinstance(dcp, DcpSettings):
+        raise ValueError(f"dcp must be a DcpSettings (e.g. DcpSettings.from_config(config, rank)), "
+                         f"got {type(dcp).__name__}")
+    return dcp

@@ -25,8 +25,8 @@ import torch
 from dsacache.dispatch import check_same_device, use_triton
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.runtime.block_table import check_block_table
-from dsacache.runtime.checks import int_arg, int_list, optional_int_arg
-from dsacache.runtime.dcp import NO_DCP, DcpSettings
+from dsacache.runtime.checks import describe, int_arg, int_list, optional_int_arg, tensor_arg
+from dsacache.runtime.dcp import NO_DCP, DcpSettings, check_dcp
 from dsacache.runtime.slot_mapping import compute_slot_mapping
 
 LOGIT_BYTES = 4  # fp32
@@ -54,17 +54,14 @@ def decode_context_lens(
     >>> decode_context_lens(torch.tensor([10, 3], dtype=torch.int32), 2, impl="torch").tolist()
     [[9, 10], [2, 3]]
     """
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
-        got = f"{seq_lens.dtype} {tuple(seq_lens.shape)}" if isinstance(seq_lens, torch.Tensor) else \
-            type(seq_lens).__name__
-        raise ValueError(f"seq_lens must be int32 [B], got {got}")
+    tensor_arg(seq_lens, "seq_lens", torch.int32, 1, "int32 [B]")
     next_n = int_arg(next_n, "next_n", 1)
     if out is None:
         out = torch.empty(seq_lens.numel(), next_n, dtype=torch.int32, device=seq_lens.device)
-    if (not isinstance(out, torch.Tensor) or out.shape != (seq_lens.numel(), next_n) or out.dtype != torch.int32
-            or not out.is_contiguous()):
-        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"out must be a contiguous int32 [{seq_lens.numel()}, {next_n}], got {got}")
+    what = f"a contiguous int32 [{seq_lens.numel()}, {next_n}]"
+    tensor_arg(out, "out", torch.int32, 2, what, contiguous=True)
+    if out.shape != (seq_lens.numel(), next_n):
+        raise ValueError(f"out must be {what}, got {describe(out)}")
     check_same_device(seq_lens=seq_lens, out=out)
     triton = use_triton(impl, out)
     if check and seq_lens.numel() and int(seq_lens.min()) < next_n:
@@ -301,8 +298,7 @@ def build_indexer_metadata(
     With ``check=False``: one host-to-device copy of the lengths, then device work only.
     """
     _refuse_pcp(pcp_world_size)
-    if not isinstance(dcp, DcpSettings):
-        raise ValueError(f"dcp must be a DcpSettings, got {type(dcp).__name__}")
+    check_dcp(dcp)
     query_lens, seq_lens = _host_lengths(query_lens, seq_lens)
     check_block_table(block_table, len(query_lens))
     next_n = int_arg(next_n, "next_n", 1)
@@ -333,11 +329,8 @@ def build_indexer_metadata(
 
 
 def _check_slot_buffer(slot_mapping, block_table, num_tokens: int) -> None:
-    if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64
-            or not slot_mapping.is_contiguous()):
-        got = f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}" if isinstance(slot_mapping, torch.Tensor) else \
-            type(slot_mapping).__name__
-        raise ValueError(f"slot_mapping must be a contiguous int64 [max_num_batched_tokens] buffer, got {got}")
+    tensor_arg(slot_mapping, "slot_mapping", torch.int64, 1, "a contiguous int64 [max_num_batched_tokens] buffer",
+               contiguous=True)
     if slot_mapping.numel() < num_tokens:
         raise ValueError(f"slot_mapping has room for {slot_mapping.numel()} tokens; the step schedules {num_tokens}")
     check_same_device(block_table=block_table, slot_mapping=slot_mapping)

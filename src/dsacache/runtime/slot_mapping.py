@@ -18,8 +18,8 @@ import torch
 from dsacache.dispatch import check_same_device, use_triton
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.runtime.block_table import check_block_table, lookup_pages
-from dsacache.runtime.checks import int_arg, optional_int_arg
-from dsacache.runtime.dcp import NO_DCP, DcpSettings
+from dsacache.runtime.checks import int_arg, optional_int_arg, tensor_arg
+from dsacache.runtime.dcp import NO_DCP, DcpSettings, check_dcp
 
 
 def compute_slot_mapping(
@@ -88,26 +88,20 @@ def compute_slot_mapping(
 def _check_inputs(block_table, query_start_loc, positions, page_size, num_kernel_pages, dcp) -> tuple:
     """Shapes, dtypes, devices and settings (no device value is read); (page_size, num_kernel_pages) as ints."""
     check_block_table(block_table)
-    for name, t, dtype, shape in (("query_start_loc", query_start_loc, torch.int32, "[B + 1]"),
-                                  ("positions", positions, torch.int64, "[N]")):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != dtype:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be {str(dtype).replace('torch.', '')} {shape}, got {got}")
+    tensor_arg(query_start_loc, "query_start_loc", torch.int32, 1, "int32 [B + 1]")
+    tensor_arg(positions, "positions", torch.int64, 1, "int64 [N]")
     if query_start_loc.numel() != block_table.shape[0] + 1:
         raise ValueError(
             f"query_start_loc has {query_start_loc.numel()} entries; block_table has "
             f"{block_table.shape[0]} requests, so {block_table.shape[0] + 1} are needed"
         )
     check_same_device(block_table=block_table, query_start_loc=query_start_loc, positions=positions)
-    if not isinstance(dcp, DcpSettings):
-        raise ValueError(f"dcp must be a DcpSettings, got {type(dcp).__name__}")
+    check_dcp(dcp)
     return int_arg(page_size, "page_size", 1), optional_int_arg(num_kernel_pages, "num_kernel_pages")
 
 
 def _check_out(out, positions) -> None:
-    if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.dtype != torch.int64 or not out.is_contiguous():
-        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"out must be a contiguous int64 [max_num_batched_tokens], got {got}")
+    tensor_arg(out, "out", torch.int64, 1, "a contiguous int64 [max_num_batched_tokens]", contiguous=True)
     if out.device != positions.device:
         raise ValueError(f"out is on {out.device}, positions on {positions.device}")
 
