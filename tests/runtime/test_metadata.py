@@ -239,3 +239,9 @@ def test_prefill_chunks_refuse_bad_types(kw, match):
     args = dict(query_lens=[4], seq_lens=[4], workspace_tokens=64, logits_bytes=1 << 10) | kw
     with pytest.raises(ValueError, match=match):
         plan_prefill_chunks(**args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_context_lens_takes_a_strided_seq_lens_on_both_paths(impl):
+    seq_lens = torch.tensor([7, 0, 9, 0, 4, 0], dtype=torch.int32)[::2]
+    assert decode_context_lens(seq_lens, 2, impl=impl).tolist() == [[6, 7], [8, 9], [3, 4]]

@@ -221,3 +221,14 @@ def test_unchecked_paths_drop_unresolvable_tokens_instead_of_writing_outside(imp
     out = compute_slot_mapping(i32([[1, -1, 9]]), i32([0, 4]), i64([0, 64, 128, 192]), num_kernel_pages=8,
                                check=False, impl=impl)
     assert out.tolist() == [64, -1, -1, -1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_inputs_on_both_paths(impl):
+    """Views (a transposed table, every other position) give what their contiguous copies give."""
+    table = torch.arange(12, dtype=torch.int32).view(3, 4).t()  # [4, 3], stride(1) == 4
+    qsl = torch.tensor([0, 1, 1, 2, 3], dtype=torch.int32)
+    pos = torch.tensor([5, -9, 70, -9, 130, -9], dtype=torch.int64)[::2]
+    out = compute_slot_mapping(table, qsl, pos, impl=impl)
+    ref = compute_slot_mapping(table.contiguous(), qsl, pos.contiguous(), impl="torch")
+    assert out.tolist() == ref.tolist() == [0 * 64 + 5, 6 * 64 + 6, 11 * 64 + 2]

@@ -47,32 +47,31 @@ def _check_id(request_id: object) -> RequestId:
     return request_id
 
 
-def token_id_array(token_ids: object, name: str = "token_ids") -> array:
-    """Token ids as an int64 ``array`` (one pass, before anything changes); see :class:`RowAllocator`.
-    An int64 ``array`` is taken as it is (never modified)."""
+def _token_id_array(token_ids: object) -> array:
+    """Token ids as an int64 ``array`` (one pass, before anything changes); see :class:`RowAllocator`."""
     if isinstance(token_ids, array) and token_ids.typecode == "q":
         return token_ids
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype.is_complex \
                 or token_ids.dtype == torch.bool:
-            raise ValueError(f"{name} as a tensor must be 1-D of an integer dtype, got {token_ids.dtype} "
+            raise ValueError(f"token_ids as a tensor must be 1-D of an integer dtype, got {token_ids.dtype} "
                              f"{tuple(token_ids.shape)}")
         token_ids = token_ids.tolist()
     elif hasattr(token_ids, "dtype") and hasattr(token_ids, "tolist"):  # a NumPy array
         if getattr(token_ids, "ndim", None) != 1 or token_ids.dtype.kind not in "iu":
-            raise ValueError(f"{name} as an array must be 1-D of an integer dtype, got {token_ids.dtype}")
+            raise ValueError(f"token_ids as an array must be 1-D of an integer dtype, got {token_ids.dtype}")
         token_ids = token_ids.tolist()
     elif not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes, bytearray)):
-        raise ValueError(f"{name} must be a sequence of integers, got {type(token_ids).__name__}")
+        raise ValueError(f"token_ids must be a sequence of integers, got {type(token_ids).__name__}")
     try:
         return array("q", token_ids)
     except (TypeError, OverflowError) as exc:
-        raise ValueError(f"{name} must hold integers in the int64 range ({exc})") from None
+        raise ValueError(f"token_ids must hold integers in the int64 range ({exc})") from None
 
 
 def _tokens_and_count(token_ids, count, count_name: str) -> tuple[array | None, int]:
     """(token ids as an array or None, the token count): checked and consistent."""
-    tokens = None if token_ids is None else token_id_array(token_ids)
+    tokens = None if token_ids is None else _token_id_array(token_ids)
     if count is None:
         return tokens, len(tokens)
     count = int_arg(count, count_name)
@@ -116,7 +115,9 @@ class RowAllocator:
     leaves the allocator exactly as it was. Request ids are any hashable values; token
     counts are integers (Python or NumPy, not ``bool``, not float); token ids are a
     sequence of integers in the int64 range (a list, tuple, range or ``array``, a 1-D
-    NumPy integer array, or a 1-D integer torch tensor, read back to the host once).
+    NumPy integer array, or a 1-D integer torch tensor, read back to the host once;
+    inside a list a ``bool`` counts as 0 or 1, as Python has it). An int64 ``array``
+    (typecode ``"q"``) is used without a copy, and never modified.
 
     >>> alloc = RowAllocator(num_rows=8, block_size=128, state_rows_per_request=1)
     >>> alloc.add("a", list(range(200)))      # 1 state row + 2 attention rows

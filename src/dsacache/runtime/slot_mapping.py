@@ -124,8 +124,8 @@ def _check_step(block_table, query_start_loc, positions, out, page_size, num_ker
         return
     if int(positions[:total].min()) < 0:
         raise ValueError("positions must be >= 0")
-    _, owned, usable, req, block, pos = token_slots(block_table, query_start_loc, positions, total, page_size,
-                                               num_kernel_pages, dcp)
+    _, owned, usable, req, block, pos = _token_slots(block_table, query_start_loc, positions, total, page_size,
+                                                     num_kernel_pages, dcp)
     bad = (owned & ~usable).nonzero()
     if not bad.numel():
         return
@@ -139,7 +139,7 @@ def _check_step(block_table, query_start_loc, positions, out, page_size, num_ker
     raise ValueError(f"position {p} maps to kernel page {page}, outside the pool of {num_kernel_pages} pages")
 
 
-def token_slots(block_table, query_start_loc, positions, num_tokens, page_size, num_kernel_pages, dcp):
+def _token_slots(block_table, query_start_loc, positions, num_tokens, page_size, num_kernel_pages, dcp):
     """(slot, owned, usable, request, block, position) of tokens ``0 .. num_tokens - 1``, device ops only.
 
     ``owned``: a live token (below ``query_start_loc[-1]`` and ``positions.numel()``, at a
@@ -160,6 +160,6 @@ def token_slots(block_table, query_start_loc, positions, num_tokens, page_size, 
 def slot_mapping_torch(block_table, query_start_loc, positions, out, page_size, num_kernel_pages, dcp):
     """The PyTorch path of :func:`compute_slot_mapping` over the whole of ``out`` (inputs checked
     by it; ``B >= 1``, ``N >= 1``). Device ops only: no sync, like the Triton kernel."""
-    slot, owned, usable, *_ = token_slots(block_table, query_start_loc, positions, out.numel(), page_size,
-                                            num_kernel_pages, dcp)
+    slot, owned, usable, *_ = _token_slots(block_table, query_start_loc, positions, out.numel(), page_size,
+                                           num_kernel_pages, dcp)
     return out.copy_(torch.where(owned & usable, slot, torch.full_like(slot, -1)))

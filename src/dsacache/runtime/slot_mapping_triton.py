@@ -102,9 +102,9 @@ def _decode_context_lens_kernel(
 
 
 def launch_decode_context_lens(seq_lens: torch.Tensor, out: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """``out[b, i] = seq_lens[b] - next_n + i + 1`` for a contiguous ``out [B, next_n]``."""
-    if not (seq_lens.is_contiguous() and out.is_contiguous()):
-        raise ValueError("seq_lens and out must be contiguous")
+    """``out[b, i] = seq_lens[b] - next_n + i + 1`` for a contiguous ``out [B, next_n]`` (checked by
+    the public function)."""
+    seq_lens = seq_lens.contiguous()
     grid = (max(triton.cdiv(out.numel(), block), 1),)
     _decode_context_lens_kernel[grid](seq_lens, out, out.numel(), out.shape[1], BLOCK=block)
     return out
