@@ -192,9 +192,8 @@ def attention_rows_for(num_tokens: int, block_size: int, dcp_world_size: int = 1
     >>> attention_rows_for(3000, 1216), attention_rows_for(3000, 1216, dcp_world_size=2)
     (3, 2)
     """
-    if type(num_tokens) is not int and (isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral)):
-        raise ConfigError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
-    if num_tokens < 0:
+    integer = type(num_tokens) is int or (isinstance(num_tokens, numbers.Integral) and not isinstance(num_tokens, bool))
+    if not integer or num_tokens < 0:
         raise ConfigError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
     return -(-int(num_tokens) // (block_size * dcp_world_size))
 
