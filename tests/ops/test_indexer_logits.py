@@ -229,6 +229,39 @@ def test_prefill_triton_matches_reference(fmt):
     assert torch.equal(torch.isfinite(results[0]), inside)
 
 
+def unaligned_copy(t):
+    """``t`` copied to a uint8 buffer one byte past a 4-byte boundary (same shape and strides)."""
+    flat = torch.zeros(t.numel() + 4, dtype=torch.uint8, device=t.device)
+    moved = flat[1:1 + t.numel()].view(t.shape)
+    moved.copy_(t)
+    return moved
+
+
+def test_mxfp4_unaligned_keys_take_the_byte_decode():
+    """MXFP4 key rows that are not 4-byte aligned are decoded a byte at a time (the table decode
+    reads words); decode and prefill still match the reference."""
+    pytest.importorskip("triton")
+    from dsacache.ops.indexer_logits.triton_kernels import _table_decode
+
+    _, aligned = make_pool("mxfp4", 5)
+    pages = unaligned_copy(aligned.contiguous())
+    assert not _table_decode(views("mxfp4", pages)[0])
+    q, w = random_queries(2, 2, 16)
+    table = torch.tensor([[4, 0, 2], [1, 3, -1]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([[150, 151], [65, 66]], dtype=torch.int32, device=DEVICE)
+    out = decode("triton", q, w, lens, pages, table, 200, "mxfp4")
+    assert_close_to_reference(out, decode("torch", q, w, lens, aligned, table, 200, "mxfp4"), "mxfp4")
+
+    values, scales = quantize("mxfp4", torch.randn(130, D, device=DEVICE))
+    values = unaligned_copy(values)
+    assert not _table_decode(values)
+    q = q.flatten(0, 1)
+    ks = torch.tensor([0, 3, 64, 129], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([130, 70, 65, 130], dtype=torch.int32, device=DEVICE)
+    out = ragged_prefill_logits(q, w, values, scales, ks, ke, impl="triton")
+    assert_close_to_reference(out, ragged_prefill_logits(q, w, values, scales, ks, ke, impl="torch"), "mxfp4")
+
+
 def test_prefill_reference_is_decode_math():
     """The same keys scored through pages (decode) and contiguously (prefill) agree."""
     _, pages = make_pool("fp8", 2, device="cpu")

@@ -19,10 +19,11 @@ more than 2**11 below its token's largest group is dropped (its products are und
 2**-9 of the largest group's; the reference keeps them). On CUDA the nibble -> byte
 rewrite is a byte-permute table lookup (``prmt``), four values an instruction; the
 interpreter and other backends use the same math in plain integer ops. Queries stay the
-same FP8 tensor as for FP8 keys. The default "table" decode builds the lookup tables once
-per 32-value group and leaves each thread's values in the order they were packed, which
-permutes the key columns; the queries are read in the same permuted order, which leaves the
-dot products unchanged ("v1", one offset per value and element order, is kept to compare).
+same FP8 tensor as for FP8 keys. The decode builds the lookup tables once per 32-value group
+and leaves each thread's values in the order they were packed, which permutes the key columns;
+the queries are read in the same permuted order, which leaves the dot products unchanged. It
+reads the packed values as 32-bit words; key rows that are not 4-byte aligned are decoded a
+byte at a time instead, in element order and plain integer ops.
 
 Every program owns a fixed range of output columns and writes all of them: scored
 tiles first, then ``-inf`` for the tiles past the longest row, so no separate fill pass.
@@ -42,9 +43,7 @@ from dsacache.ops.triton_utils import INTERPRET, check_launch, loop_bound
 PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
 
 #: Launch settings for the paged decode kernel (a tile is one 64-token page, TILES tiles a
-#: program). ``mxfp4_decode``: "table" (per-group lookup tables, keys in a permuted column order)
-#: or "v1" (per-value offsets, keys in element order); see ``_mxfp4_key_tile_table``.
-#: Register caps (NVIDIA only, None = no cap) for products of at most ``maxnreg_cols`` columns
+#: program). Register caps (NVIDIA only, None = no cap) for products of at most ``maxnreg_cols`` columns
 #: (next_n rounded up to a power of two, times H): ``maxnreg`` with one query row a request,
 #: ``maxnreg_rows`` with several. H200, B=64, 128K: H = 64, next_n = 1: 299 -> 293 us at 64
 #: (8 programs an SM instead of 7); H = 32, next_n = 2: 518 -> 366 us at 96 (64 spills there);
@@ -59,21 +58,16 @@ PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
 #: module's kernel at 128K and slower at 32K, H = 32 (82 against 78 us), so that one stays
 #: (docs/bench-results/2026-11-29-h200-stop12/head_sum_mma_probe.log).
 DECODE_CONFIG = {"BLOCK_N": 64, "TILES": 8, "num_warps": 4, "num_stages": 2, "maxnreg": 64, "maxnreg_rows": 96,
-                 "maxnreg_cols": 64, "split_rows": {2: 64}, "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table",
+                 "maxnreg_cols": 64, "split_rows": {2: 64},
                  "fp8_kernel": {2: "gluon", 3: "gluon", 4: "gluon"}, "fp8_gluon_tiles": 32, "fp8_stages": 4}
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own; the table decode keeps its keys
 #: in registers only while the tile is 16 * num_warps tokens). The register cap helps at H = 32
 #: (256 -> 248 us) and hurts at H = 64 (319 -> 348 us). ``kernel``: "gluon" runs
 #: ``gluon_kernels.paged_decode_mxfp4_kernel`` where it applies (``_gluon_decode``), "triton" this
-#: module's kernel; ``gluon_maxnreg`` caps its registers (H200, 128K: 64 or 80 were no faster at
-#: H = 32, slower at H = 64; TILES 8 or 32 also slower).
-MXFP4_DECODE_CONFIG: dict = {"TILES": 16, "maxnreg_cols": 32, "maxnreg_rows": None, "kernel": "gluon",
-                             "gluon_maxnreg": None}
+#: module's kernel.
+MXFP4_DECODE_CONFIG: dict = {"TILES": 16, "maxnreg_cols": 32, "maxnreg_rows": None, "kernel": "gluon"}
 #: Launch settings for the ragged prefill kernel (ROWS query rows a program).
-PREFILL_CONFIG = {"BLOCK_N": 64, "TILES": 8, "ROWS": 4, "num_warps": 4, "num_stages": 3,
-                  "mxfp4_asm": PTX_AVAILABLE, "mxfp4_decode": "table"}
-#: The MXFP4 decodes a launch may ask for.
-MXFP4_DECODES = ("table", "v1")
+PREFILL_CONFIG = {"BLOCK_N": 64, "TILES": 8, "ROWS": 4, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
@@ -86,45 +80,6 @@ def _head_sum(acc, w, ROWS: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr
 #: Group offset byte marking a dropped group (``t < 0``); otherwise the byte is ``8 * t``.
 DROPPED_GROUP = tl.constexpr(0x80)
 
-# $0/$1: e4m3 bytes of the low/high nibbles of the four packed bytes in $2; $3 holds each
-# byte's group offset (8 t, or 0x80 = dropped). The table words hold the e4m3 codes of the
-# e2m1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 times 2**-5 (0x00 08 10 14 | 18 1C 20 24, all
-# normal but 0); prmt looks up four at once; adding 8 t to a nonzero code multiplies it by
-# 2**t and never carries into the next byte (codes stay <= 0x7C).
-def _nibble_bytes_ptx(out: str, src: str, sign: str) -> str:
-    """PTX of one nibble of the v1 decode: the codes' magnitudes in the low 3 bits of each byte
-    of ``src``, their signs put at bit 7 of x by the lines ``sign``, the e4m3 bytes into ``out``."""
-    return f"""and.b32 x, {src}, 0x07070707;
-add.u32 nz, x, 0x7F7F7F7F;
-and.b32 nz, nz, 0x80808080;
-shr.u32 nz, nz, 7;
-mul.lo.u32 nz, nz, 0xFF;
-and.b32 nz, nz, $3;
-shr.u32 sel, x, 4;
-or.b32 sel, sel, x;
-prmt.b32 sel, sel, sel, 0x0020;
-prmt.b32 mag, tlo, thi, sel;
-add.u32 mag, mag, nz;
-{sign}
-or.b32 mag, mag, x;
-and.b32 {out}, mag, keep;
-"""
-
-
-_PRMT_ASM = tl.constexpr("""
-{
-.reg .b32 tlo, thi, keep, x, nz, sel, mag;
-mov.b32 tlo, 0x14100800;
-mov.b32 thi, 0x24201C18;
-and.b32 keep, $3, 0x80808080;
-shr.u32 keep, keep, 7;
-mul.lo.u32 keep, keep, 0xFF;
-not.b32 keep, keep;
-""" + _nibble_bytes_ptx("$0", "$2", "shl.b32 x, $2, 4;\nand.b32 x, x, 0x80808080;") + """shr.u32 x, $2, 4;
-""" + _nibble_bytes_ptx("$1", "x", "and.b32 x, $2, 0x80808080;") + """}
-""")
-
-
 @triton.jit
 def _nibble_to_e4m3(code, offset):
     """One e2m1 code (int32 0..15) and its group offset byte -> e4m3 byte (int32), plain ops."""
@@ -135,9 +90,10 @@ def _nibble_to_e4m3(code, offset):
 
 
 @triton.jit
-def _mxfp4_key_tile(packed_rows, scale, ok, D: tl.constexpr, ASM: tl.constexpr):
+def _mxfp4_key_tile_bytes(packed_rows, scale, ok, D: tl.constexpr):
     """MXFP4 keys at byte pointers packed_rows [BLOCK_N] with their scale bytes [BLOCK_N, D/32]
-    -> (e4m3 [BLOCK_N, D], fp32 [BLOCK_N])."""
+    -> (e4m3 [BLOCK_N, D] in element order, fp32 [BLOCK_N]), read a byte at a time: the decode
+    for key rows that are not 4-byte aligned, where ``_mxfp4_key_tile_table`` cannot read words."""
     G: tl.constexpr = D // 32
     g = tl.arange(0, G)
     byte = tl.arange(0, 16)
@@ -146,16 +102,10 @@ def _mxfp4_key_tile(packed_rows, scale, ok, D: tl.constexpr, ASM: tl.constexpr):
     scale = scale.to(tl.int32)
     top = tl.max(scale, axis=1)
     t = scale - top[:, None] + 11
-    offset = tl.where(t >= 0, 8 * t, DROPPED_GROUP)
-    offset = tl.broadcast_to(offset[:, :, None], packed.shape)
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            _PRMT_ASM, "=r,=r,r,r", [packed, offset.to(tl.uint8)],
-            dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-    else:
-        codes = packed.to(tl.int32)
-        lo = _nibble_to_e4m3(codes & 15, offset).to(tl.uint8)
-        hi = _nibble_to_e4m3(codes >> 4, offset).to(tl.uint8)
+    offset = tl.where(t >= 0, 8 * t, DROPPED_GROUP)[:, :, None]
+    codes = packed.to(tl.int32)
+    lo = _nibble_to_e4m3(codes & 15, offset).to(tl.uint8)
+    hi = _nibble_to_e4m3(codes >> 4, offset).to(tl.uint8)
     keys = tl.reshape(tl.join(lo, hi), [packed.shape[0], D]).to(tl.float8e4nv, bitcast=True)
     return keys, _mxfp4_token_factor(top)
 
@@ -172,8 +122,8 @@ def _mxfp4_token_factor(top):
 # bits 4i..4i+3, low nibble first as stored); $6: the group's t = s_g - s_max + 11 (< 0:
 # dropped). pack=4 hands each input over as four copies (one per output byte), only the
 # first is read. Per group, two prmt tables: bytes 0..7 of (pl, ph) are the e4m3 codes of the
-# magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 times 2**(t - 5) (v1's offset 8 t is added to the
-# nonzero codes once a group here), and (nl, nh) hold (that byte | 0x80) >> 1; a dropped group
+# magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 times 2**(t - 5) (the offset 8 t of ``_nibble_to_e4m3``
+# is added to the nonzero codes once a group here), and (nl, nh) hold (that byte | 0x80) >> 1; a dropped group
 # gets all-zero tables. The table math repeats in every word of a group; ptxas computes it once.
 # Per value, the selector nibbles are the codes themselves: bits 0-2 pick a table byte and
 # bit 3, the sign, makes prmt replicate that byte's msb (0 here) instead. So `pos` holds the
@@ -293,7 +243,7 @@ def _key_tile(value_rows, scales, ok, D: tl.constexpr, MXFP4: tl.constexpr, ASM:
     if MXFP4 and TABLE:
         keys, factor = _mxfp4_key_tile_table(value_rows, scales, ok, D, ASM)
     elif MXFP4:
-        keys, factor = _mxfp4_key_tile(value_rows, scales, ok, D, ASM)
+        keys, factor = _mxfp4_key_tile_bytes(value_rows, scales, ok, D)
     else:
         d = tl.arange(0, D)
         keys = tl.load(value_rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
@@ -490,11 +440,10 @@ def _ragged_prefill_kernel(
         _store_tile(out_ptr, out_stride, rows, row_ok, cols, num_keys, blank)
 
 
-def _table_decode(cfg: dict, values: torch.Tensor) -> bool:
-    """Whether an MXFP4 launch uses the "table" decode; it reads 32-bit words, so the key rows
-    must be 4-byte aligned (cache pages always are), else the byte-wise "v1" decode runs."""
-    check_launch(cfg["mxfp4_decode"] in MXFP4_DECODES, f"mxfp4_decode one of {MXFP4_DECODES}")
-    return cfg["mxfp4_decode"] == "table" and values.data_ptr() % 4 == 0 and values.stride(0) % 4 == 0
+def _table_decode(values: torch.Tensor) -> bool:
+    """Whether MXFP4 keys take the table decode, which reads 32-bit words: key rows 4-byte
+    aligned (cache pages always are); otherwise the byte-wise decode runs."""
+    return values.data_ptr() % 4 == 0 and values.stride(0) % 4 == 0
 
 
 def _split_rows(cfg: dict, next_n: int, num_heads: int) -> bool:
@@ -517,7 +466,7 @@ def _gluon_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor, scales: torc
                     and values.data_ptr() % 16 == 0 and values.stride(0) % 16 == 0 and values.shape[0] > 0)
     return (torch.cuda.get_device_capability(q.device)[0] == 9 and head_dim == 128
             and num_heads in (16, 32, 64, 128) and triton.next_power_of_2(next_n) * num_heads <= 256
-            and packed_pages and _table_decode(cfg, values))
+            and packed_pages and _table_decode(values))
 
 
 def _gluon_fp8_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor) -> bool:
@@ -595,12 +544,11 @@ def launch_paged_decode(
     if mxfp4 and _gluon_decode(cfg, q, values, scales):
         from dsacache.ops.indexer_logits.gluon_kernels import paged_decode_mxfp4_kernel
 
-        extra = {"maxnreg": cfg["gluon_maxnreg"]} if cfg.get("gluon_maxnreg") else {}
         paged_decode_mxfp4_kernel[grid](
             q, weights, context_lens, values, block_table, out,
             values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
             out.stride(0), NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads,
-            PER_ROW=context_lens.dim() == 2, TILES=cfg["TILES"], num_warps=4, **extra,
+            PER_ROW=context_lens.dim() == 2, TILES=cfg["TILES"], num_warps=4,
         )
         return
     rows = triton.next_power_of_2(next_n)
@@ -615,8 +563,8 @@ def launch_paged_decode(
         values.shape[0], block_table.shape[1], block_table.stride(0),
         values.stride(0), scales.stride(0), max_model_len, out.stride(0),
         NEXT_N=next_n, ROWS=rows, H=num_heads, D=head_dim,
-        PER_ROW=context_lens.dim() == 2, MXFP4=mxfp4, ASM=cfg["mxfp4_asm"],
-        TABLE=mxfp4 and _table_decode(cfg, values), BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"],
+        PER_ROW=context_lens.dim() == 2, MXFP4=mxfp4, ASM=PTX_AVAILABLE,
+        TABLE=mxfp4 and _table_decode(values), BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"],
         SPLIT=_split_rows(cfg, next_n, num_heads),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
@@ -642,7 +590,7 @@ def launch_ragged_prefill(
     grid = (triton.cdiv(num_keys, cfg["BLOCK_N"] * cfg["TILES"]), triton.cdiv(num_rows, cfg["ROWS"]))
     _ragged_prefill_kernel[grid](
         q, weights, ks, ke, k_values, k_scales, out, num_rows, num_keys, out.stride(0),
-        ROWS=cfg["ROWS"], H=num_heads, D=head_dim, MXFP4=mxfp4, ASM=cfg["mxfp4_asm"],
-        TABLE=mxfp4 and _table_decode(cfg, k_values), BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"],
+        ROWS=cfg["ROWS"], H=num_heads, D=head_dim, MXFP4=mxfp4, ASM=PTX_AVAILABLE,
+        TABLE=mxfp4 and _table_decode(k_values), BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
