@@ -17,7 +17,7 @@ import torch
 
 from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
 from dsacache.formats.indexer_key import fp8_page_views, mxfp4_page_views, quantize_fp8, quantize_mxfp4
-from dsacache.formats.key_format import indexer_entry_bytes
+from dsacache.formats.key_format import IndexerKeyFormat, indexer_entry_bytes
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.indexer_logits import paged_decode_logits
 
@@ -108,7 +108,7 @@ def sweep_configs(fmt: str) -> list[dict]:
 
 
 def run_sweep(args_tuple, fmt: str, max_model_len: int, ceiling: float, nbytes: int) -> None:
-    from dsacache.ops.indexer_logits import triton_kernels
+    from dsacache.ops.indexer_logits.launch import launch_paged_decode
 
     q, weights, seq_lens, pages, block_table = args_tuple
     values, scales = (fp8_page_views if fmt == "fp8" else mxfp4_page_views)(pages, HEAD_DIM)
@@ -116,8 +116,8 @@ def run_sweep(args_tuple, fmt: str, max_model_len: int, ceiling: float, nbytes: 
     ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="torch")
     for cfg in sweep_configs(fmt):
         def launch():
-            triton_kernels.launch_paged_decode(q, weights, seq_lens, values, scales, block_table, out,
-                                               fmt == "mxfp4", cfg)
+            launch_paged_decode(q, weights, seq_lens, values, scales, block_table, out,
+                                IndexerKeyFormat(fmt, HEAD_DIM), cfg)
         try:
             launch()
             ok = calc_diff(out, ref) < TOLERANCE[fmt] and torch.equal(out.isneginf(), ref.isneginf())
@@ -143,10 +143,10 @@ def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict) -> Ben
     elif (ctx, heads) in fp8_ms:
         extra["speedup_vs_fp8"] = f"{fp8_ms[(ctx, heads)] / ms:.2f}x"
     shape = f"{fmt} B={args.batch} ctx={ctx} H={heads} next_n={args.next_n}"
-    from dsacache.ops.indexer_logits.triton_kernels import decode_kernel
+    from dsacache.ops.indexer_logits.launch import decode_kernel
 
     views = (mxfp4_page_views if fmt == "mxfp4" else fp8_page_views)(inputs[3], HEAD_DIM)
-    extra["kernel"] = decode_kernel(inputs[0], views[0], views[1], fmt == "mxfp4")
+    extra["kernel"] = decode_kernel(inputs[0], views[0], views[1], IndexerKeyFormat(fmt, HEAD_DIM))
     return BenchRow("paged_decode_logits", shape, ms, nbytes, args.ceiling_gbps, extra)
 
 

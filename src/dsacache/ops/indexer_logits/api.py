@@ -3,8 +3,9 @@
 Each function validates its input, then runs the Triton kernel when the tensors are on
 CUDA (or when ``impl="triton"`` is forced, which under ``TRITON_INTERPRET=1`` also runs
 on CPU tensors) and the PyTorch reference in ``naive.py`` otherwise. On Hopper the paged
-decode runs Gluon kernels where they apply (``gluon_kernels``: MXFP4 keys, and FP8 keys
-with 2-4 query rows; ``triton_kernels.decode_kernel`` says which one a call takes).
+decode runs Gluon kernels where they apply (MXFP4 keys, and FP8 keys with 2-4 query rows;
+``launch.py`` picks the kernel and its settings, ``launch.decode_kernel`` says which one a
+call takes).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsacache.formats.indexer_key import indexer_pages_format, fp8_page_views, mxfp4_page_views
-from dsacache.formats.key_format import MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
+from dsacache.formats.key_format import MXFP4_GROUP_SIZE, IndexerKeyFormat, resolve_indexer_kv_dtype
 from dsacache.dispatch import check_same_device, use_triton
 from dsacache.ops.indexer_logits import naive
 
@@ -95,7 +96,7 @@ def paged_decode_logits(
             ``H**-0.5`` belong in ``weights``). The same FP8 queries serve both key
             formats: the Triton path turns MXFP4 keys into e4m3 in registers, exactly
             except that a 32-value group more than 2**11 below its token's largest group
-            is dropped (``triton_kernels.py``); the reference keeps it.
+            is dropped (``mxfp4_e4m3.py``); the reference keeps it.
         weights: ``[B * next_n, H]`` float32 per-head weights.
         context_lens: ``[B, next_n]`` int32, the exact number of positions each row sees
             (row ``b * next_n + i`` sees ``j < context_lens[b, i]``). A ``[B]`` tensor of
@@ -138,7 +139,7 @@ def paged_decode_logits(
     if not 1 <= next_n <= 8:
         raise ValueError(f"next_n={next_n}; allowed: 1..8")
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
-    indexer_pages_format(pages, head_dim, fmt)
+    key_format = indexer_pages_format(pages, head_dim, fmt)
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must be int32 [{batch}, max_blocks], "
                          f"got {tuple(block_table.shape)} {block_table.dtype}")
@@ -152,15 +153,14 @@ def paged_decode_logits(
         row_lens = row_lens.clamp(0, max_model_len)
         return out.copy_(naive.paged_decode_logits(q, weights, row_lens, pages, block_table, max_model_len, fmt))
 
-    from dsacache.ops.indexer_logits.triton_kernels import launch_paged_decode
+    from dsacache.ops.indexer_logits.launch import launch_paged_decode
 
-    mxfp4 = fmt == "mxfp4"
     _check_triton_shape(num_heads, head_dim)
-    values, scales = (mxfp4_page_views if mxfp4 else fp8_page_views)(pages, head_dim)
+    values, scales = (mxfp4_page_views if key_format.is_mxfp4 else fp8_page_views)(pages, head_dim)
     if batch == 0:
         return out
     launch_paged_decode(q.contiguous(), weights.contiguous(), context_lens, values, scales,
-                        block_table if block_table.stride(1) == 1 else block_table.contiguous(), out, mxfp4)
+                        block_table if block_table.stride(1) == 1 else block_table.contiguous(), out, key_format)
     return out
 
 
@@ -243,12 +243,13 @@ def ragged_prefill_logits(
     if not use_triton(impl, q, k_values):
         return out.copy_(naive.ragged_prefill_logits(q, weights, k_values, k_scales, ks, ke))
 
-    from dsacache.ops.indexer_logits.triton_kernels import launch_ragged_prefill
+    from dsacache.ops.indexer_logits.launch import launch_ragged_prefill
 
     _check_triton_shape(num_heads, head_dim)
     if num_rows and num_keys:
         launch_ragged_prefill(q.contiguous(), weights.contiguous(), ks.contiguous(), ke.contiguous(),
-                              k_values.contiguous(), k_scales.contiguous(), out, mxfp4)
+                              k_values.contiguous(), k_scales.contiguous(), out,
+                              IndexerKeyFormat("mxfp4" if mxfp4 else "fp8", head_dim))
     return out
 
 

@@ -6,15 +6,13 @@ H columns, so each page is read once), then sum the heads with a second wgmma
 (``_mma_head_sums``): ``relu(q.k)`` is rounded to bf16 straight into its A registers and
 multiplied by the head weights (bf16 plus the bf16 of what that rounding left, so the weights
 keep ~16 significant bits), one output column pair per query row. That replaces N / 2 FP32
-instructions a thread and the quad shuffles of a sum over the accumulator: H200, B = 64, 128K,
-FP8 next_n = 2 at H = 64 348 -> 305 us (297 us with the later block-table change); MXFP4
-next_n = 1 213 -> 201 us at H = 32. The bf16 rounding moves a head's term by at most 2**-9
-relative (calc-diff against the FP32 reference ~1e-7, far inside the 1e-3 / 2e-2 tolerances);
-``"kernel": "triton"`` keeps FP32 throughout.
+instructions a thread and the quad shuffles of a sum over the accumulator. The bf16 rounding
+moves a head's term by at most 2**-9 relative (calc-diff against the FP32 reference ~1e-7, far
+inside the 1e-3 / 2e-2 tolerances); the Triton kernel keeps FP32 throughout.
 
-MXFP4: the same math as ``_paged_decode_kernel`` with its "table" decode (see ``triton_kernels``),
-written with explicit layouts so that nothing moves through shared memory but the queries and
-the head weights:
+MXFP4: the math of the Triton kernel with the table decode (``mxfp4_e4m3``), written with
+explicit layouts so that nothing moves through shared memory but the queries and the head
+weights:
 
 * each thread loads the packed words it decodes straight into registers, in the order the
   wgmma A operand wants them (thread ``4 g + c`` of a warp: token rows ``g`` and ``g + 8``,
@@ -34,13 +32,9 @@ its values (the pool's page layout, checked by the launcher).
 FP8 (``paged_decode_fp8_kernel``): the keys need no decode, so they go from the pool to shared
 memory by TMA, in a ring of pages started ahead (a descriptor over the layer's pages; a -1 or
 out-of-range block-table entry is fetched at a page index past the tensor, which reads nothing
-and fills zeros), and the wgmma reads them there. Selected per next_n by
-``DECODE_CONFIG["fp8_kernel"]`` (next_n 2-4 by default).
+and fills zeros), and the wgmma reads them there.
 
-MXFP4 is selected with ``MXFP4_DECODE_CONFIG["kernel"] = "gluon"`` (the default); the CPU interpreter,
-other GPUs and ``"kernel": "triton"`` use ``_paged_decode_kernel``. H200, B = 64, 128K, next_n = 1,
-H = 32 / 64: Triton kernel 248 / 318 us, this kernel 182 / 219 us (SASS loop body per 64-token
-page and warp at H = 32: 279 -> 183 instructions); next_n = 2: 386 / 568 -> 221 / 315 us.
+``launch.py`` says when each runs.
 """
 
 from __future__ import annotations
@@ -55,13 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsacache.ops.indexer_logits.triton_kernels import group_tables_ptx, table_lookup_ptx
+from dsacache.ops.indexer_logits.mxfp4_e4m3 import group_tables_ptx, table_columns, table_lookup_ptx
 
 # One register of e4m3 bytes from half s of a packed word: $1 the word, $5 the half's shift
-# (0 or 16), $9 the group's t (< 0: dropped). Tables and sign trick as in _TABLE_ASM
-# (triton_kernels.py); pack=4 hands each input over four times, only the first is read. (The
-# high half's shifts as IMAD.HI on the FMA pipe, the integer pipe left with one instruction a
-# word instead of three, was slower on the H200: 186 -> 197 us at H = 32.)
+# (0 or 16), $9 the group's t (< 0: dropped). Tables and sign trick as in WORD_DECODE_ASM
+# (mxfp4_e4m3.py); pack=4 hands each input over four times, only the first is read.
 _HALF_ASM = gl.constexpr("""
 {
 .reg .pred kept;
@@ -116,7 +108,7 @@ def _mma_head_sums(acc, w_smem, MMA: gl.constexpr):
 @gluon.constexpr_function
 def _key_layout():
     """[64 tokens, 4 words, 2 halves, 4 groups, 4 bytes] -> the wgmma A operand registers
-    (reshaped to [64, 128]: column 32 w + 16 s + 4 g + j, see ``_table_columns``)."""
+    (reshaped to [64, 128]: column 32 w + 16 s + 4 g + j, see ``table_columns``)."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [8, 0, 0, 0, 0], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0],
                    [0, 2, 0, 0, 0]],
@@ -179,11 +171,11 @@ def paged_decode_mxfp4_kernel(
     col0 = gl.program_id(0) * (TILES * PAGE)
     ncol, len_col, num_scored = _program_rows(lens_ptr, b, col0, max_model_len, NEXT_N, PER_ROW, TILES)
 
-    # Queries [N, D] in the key column order (_table_columns), as the B operand in shared memory
+    # Queries [N, D] in the key column order (table_columns), as the B operand in shared memory
     # (row n: query row n // H, head n % H; rows past NEXT_N zero).
     n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
     col = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    d = 32 * ((col // 4) % 4) + 8 * (col // 32) + 4 * ((col // 16) % 2) + col % 4
+    d = table_columns(col, D // 32)
     q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
     q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
@@ -199,10 +191,9 @@ def paged_decode_mxfp4_kernel(
     out_args = (gl.zeros([PAGE, N], gl.float32, MMA), q_smem, w_smem, out_rows, row_ok, tok2, len2, col0,
                 max_model_len)
     # Page t + 1's words and scales load into registers while page t is scored and page t + 2
-    # is copied into L2, so no load waits inside a page (H200, 128K: 194 -> 188 us at H = 32,
-    # 243 -> 225 us at H = 64; 3-6 pages ahead was slower). A page that is -1, past the pool
-    # or past num_scored is read at page 0 (a masked load costs a zero fill a register) and
-    # scores -inf.
+    # is copied into L2, so no load waits inside a page (more pages ahead was slower). A page
+    # that is -1, past the pool or past num_scored is read at page 0 (a masked load costs a
+    # zero fill a register) and scores -inf.
     base_a, ok_a = _page_base(_entry(entries, 0), *pages)
     words_a, scales_a = _load_page(base_a, offs)
     base_b, ok_b = _page_base(_entry(entries, 1), *pages)
@@ -251,7 +242,7 @@ def _block_entries(bt_row, blk0, num_scored, max_blocks, TILES: gl.constexpr, AH
     num_scored or the table, which covers the AHEAD look-ahead slots past the last page): an
     entry loaded from global memory inside the page loop made every page wait for it (ptxas
     moves the loop-carried entry into a uniform register at the end of the iteration that
-    loads it; H200, MXFP4, 128K: 185.6 -> 182.5 us at H = 32, 224.9 -> 219.8 us at H = 64)."""
+    loads it)."""
     SLOTS: gl.constexpr = _power_of_two_at_least(TILES + AHEAD)
     L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     i = gl.arange(0, SLOTS, layout=L)
