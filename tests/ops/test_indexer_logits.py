@@ -198,6 +198,17 @@ def test_decode_unreadable_pages_are_neg_inf(impl):
     assert torch.isneginf(out[1, 192:]).all(), "blocks past the 3-entry table are unreadable"
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_empty_pool_is_neg_inf(fmt, impl):
+    """A layer view of zero pages: every entry is past the pool, so every logit is -inf."""
+    _, pages = make_pool(fmt, 0)
+    q, w = random_queries(2, 2, 16)
+    table = torch.tensor([[0, 1], [-1, 0]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([[100, 101], [5, 6]], dtype=torch.int32, device=DEVICE)
+    assert torch.isneginf(decode(impl, q, w, lens, pages, table, 130, fmt)).all()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_decode_lengths_clamped(impl):
     _, pages = make_pool("fp8", 3)

@@ -16,6 +16,7 @@ from dsacache.formats.indexer_key import indexer_pages_format, fp8_page_views, m
 from dsacache.formats.key_format import MXFP4_GROUP_SIZE, IndexerKeyFormat, resolve_indexer_kv_dtype
 from dsacache.dispatch import check_same_device, use_triton
 from dsacache.ops.indexer_logits import naive
+from dsacache.runtime.block_table import check_block_table
 
 def per_row_context_lens(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
     """Per-request context lengths ``[B]`` -> per-row lengths ``[B, next_n]`` int32.
@@ -140,9 +141,7 @@ def paged_decode_logits(
         raise ValueError(f"next_n={next_n}; allowed: 1..8")
     fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
     key_format = indexer_pages_format(pages, head_dim, fmt)
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must be int32 [{batch}, max_blocks], "
-                         f"got {tuple(block_table.shape)} {block_table.dtype}")
+    check_block_table(block_table, batch)
     if max_model_len < 1:
         raise ValueError(f"max_model_len={max_model_len} must be >= 1")
     check_same_device(q=q, weights=weights, context_lens=context_lens, pages=pages, block_table=block_table)
@@ -151,7 +150,7 @@ def paged_decode_logits(
     if not use_triton(impl, q, pages, block_table):
         row_lens = context_lens if context_lens.dim() == 2 else per_row_context_lens(context_lens, next_n)
         row_lens = row_lens.clamp(0, max_model_len)
-        return out.copy_(naive.paged_decode_logits(q, weights, row_lens, pages, block_table, max_model_len, fmt))
+        return out.copy_(naive.paged_decode_logits(q, weights, row_lens, pages, block_table, max_model_len, key_format))
 
     from dsacache.ops.indexer_logits.launch import launch_paged_decode
 

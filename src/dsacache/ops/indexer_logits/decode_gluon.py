@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dsacache.ops.indexer_logits.mxfp4_e4m3 import group_tables_ptx, table_columns, table_lookup_ptx
+from dsacache.ops.triton_utils import block_table_page
 
 # One register of e4m3 bytes from half s of a packed word: $1 the word, $5 the half's shift
 # (0 or 16), $9 the group's t (< 0: dropped). Tables and sign trick as in WORD_DECODE_ASM
@@ -181,13 +182,13 @@ def paged_decode_mxfp4_kernel(
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
     # The 2**-6 of the token factor 2**(top - 133) is folded into the weights.
     w_smem = _head_weight_operand(w_ptr, b, 0.015625, NEXT_N, H, N)
-    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, TILES, 2)
+    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, num_pages, TILES, 2)
     fence_async_shared()
     gl.thread_barrier()
 
     tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N)
     offs = _page_offsets()
-    pages = (pages_ptr, num_pages, page_stride)
+    pages = (pages_ptr, page_stride)
     out_args = (gl.zeros([PAGE, N], gl.float32, MMA), q_smem, w_smem, out_rows, row_ok, tok2, len2, col0,
                 max_model_len)
     # Page t + 1's words and scales load into registers while page t is scored and page t + 2
@@ -237,16 +238,16 @@ def _power_of_two_at_least(n):
 
 
 @gluon.jit
-def _block_entries(bt_row, blk0, num_scored, max_blocks, TILES: gl.constexpr, AHEAD: gl.constexpr):
-    """The program's block-table entries in shared memory, read once at the start (-1 past
-    num_scored or the table, which covers the AHEAD look-ahead slots past the last page): an
-    entry loaded from global memory inside the page loop made every page wait for it (ptxas
-    moves the loop-carried entry into a uniform register at the end of the iteration that
-    loads it)."""
+def _block_entries(bt_row, blk0, num_scored, max_blocks, num_pages, TILES: gl.constexpr, AHEAD: gl.constexpr):
+    """The program's pages in shared memory, read once at the start: ``block_table_page`` of each
+    block, -1 where it is unusable and past num_scored (which covers the AHEAD look-ahead slots
+    past the last page). An entry loaded from global memory inside the page loop made every page
+    wait for it (ptxas moves the loop-carried entry into a uniform register at the end of the
+    iteration that loads it)."""
     SLOTS: gl.constexpr = _power_of_two_at_least(TILES + AHEAD)
     L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     i = gl.arange(0, SLOTS, layout=L)
-    entry = gl.load(bt_row + blk0 + i, mask=(i < num_scored) & (blk0 + i < max_blocks), other=-1)
+    entry, _ = block_table_page(bt_row, blk0 + i, i < num_scored, max_blocks, num_pages)
     layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     smem = gl.allocate_shared_memory(gl.int32, [SLOTS], layout, entry)
     # The same bytes as [SLOTS, 1] rows, so that .index(t) (a dynamic index) gives entry t.
@@ -261,12 +262,12 @@ def _entry(entries, t):
 
 
 @gluon.jit
-def _page_base(page, pages_ptr, num_pages, page_stride):
-    """(the page's first byte, page 0's when ``page`` is -1 or past the pool; whether it is readable)."""
-    # One unsigned compare covers -1 too; the page index is then a 32-bit zero-extended multiplier.
-    page = page.to(gl.uint32, bitcast=True)
-    ok = page < num_pages.to(gl.uint32, bitcast=True)
-    return pages_ptr + gl.where(ok, page, 0).to(gl.uint64) * page_stride.to(gl.uint64, bitcast=False), ok
+def _page_base(page, pages_ptr, page_stride):
+    """(the first byte of page ``page`` of ``_block_entries``, page 0's when it is -1; whether it is usable)."""
+    ok = page >= 0
+    # The page index as a 32-bit zero-extended multiplier.
+    row = gl.where(ok, page, 0).to(gl.uint32, bitcast=True)
+    return pages_ptr + row.to(gl.uint64) * page_stride.to(gl.uint64, bitcast=False), ok
 
 
 @gluon.jit
@@ -379,9 +380,9 @@ def _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES: 
 @gluon.jit
 def _fetch_page(k_desc, page, live, num_pages, bar, dest):
     """Start the TMA copy of key page ``page`` (a block-table entry) into ``dest`` (arriving on
-    ``bar``) when ``live``. An entry that is -1 or past the pool is fetched at page
+    ``bar``) when ``live``. An unusable page (-1, ``_block_entries``) is fetched at page
     ``num_pages``: outside the tensor, so the copy reads nothing and fills zeros."""
-    page = gl.where((page >= 0) & (page < num_pages), page, num_pages)
+    page = gl.where(page >= 0, page, num_pages)
     mbarrier.expect(bar, 64 * 128, pred=live)
     tma.async_copy_global_to_shared(k_desc, [page, 0, 0], bar, dest, pred=live)
 
@@ -411,7 +412,8 @@ def paged_decode_fp8_kernel(
     ncol, len_col, num_scored = _program_rows(lens_ptr, b, col0, max_model_len, NEXT_N, PER_ROW, TILES)
 
     # The key ring: the first STAGES pages start loading before anything else.
-    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, TILES, STAGES)
+    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, num_pages, TILES,
+                             STAGES)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, PAGE, D], k_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -435,14 +437,14 @@ def paged_decode_fp8_kernel(
     acc0 = gl.zeros([PAGE, N], gl.float32, MMA)
 
     page = _entry(entries, 0)
-    ok_next = (page >= 0) & (page < num_pages)
+    ok_next = page >= 0
     scales_next = gl.load(scales_ptr + gl.where(ok_next, page, 0).to(gl.int64) * scale_stride + tok, mask=ok_next)
     for t in range(num_scored):
         slot = t % STAGES
         scales = scales_next
         ok = ok_next
         page = _entry(entries, t + 1)
-        ok_next = (page >= 0) & (page < num_pages)
+        ok_next = page >= 0
         scales_next = gl.load(scales_ptr + gl.where(ok_next, page, 0).to(gl.int64) * scale_stride + tok,
                               mask=ok_next)
 

@@ -18,7 +18,7 @@ from dsacache.ops.indexer_logits.tiles_triton import (
     load_scales,
     store_tile,
 )
-from dsacache.ops.triton_utils import loop_bound
+from dsacache.ops.triton_utils import block_table_page, loop_bound
 
 
 @triton.jit
@@ -46,12 +46,10 @@ def _score_row(keys, q, w, factor, live, cols, length, out_row, num_cols):
 
 
 @triton.jit
-def _tile_page(bt_row, block, live, max_blocks, num_pages):
-    """(page id as int64, readable): block table entry ``block`` (a scalar); entries past the
-    table, negative or past the pool are unreadable and give page 0."""
-    page = tl.load(bt_row + block, mask=live & (block < max_blocks), other=-1)
-    ok = (page >= 0) & (page < num_pages)
-    return tl.where(ok, page, 0).to(tl.int64), ok
+def _page_row(page):
+    """A page id from ``block_table_page`` as an int64 row index; an unusable page (-1) reads
+    page 0, so the masked loads of its tile keep an address inside the pool."""
+    return tl.maximum(page, 0).to(tl.int64)
 
 
 @triton.jit
@@ -106,21 +104,20 @@ def paged_decode_kernel(
     tok = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b * bt_stride
     blk0 = col0 // BLOCK_N  # a tile is one page
-    page, ok = _tile_page(bt_row, blk0, num_scored > 0, max_blocks, num_pages)
-    scales_next = load_scales(scales_ptr + page * scale_stride + tok * SCALES_PER_TOKEN,
-                               ok & (col0 + tok < longest), SCALES_PER_TOKEN, MXFP4)
-    page_ahead = tl.load(bt_row + blk0 + 1, mask=(num_scored > 1) & (blk0 + 1 < max_blocks), other=-1)
+    page, ok = block_table_page(bt_row, blk0, num_scored > 0, max_blocks, num_pages)
+    scales_next = load_scales(scales_ptr + _page_row(page) * scale_stride + tok * SCALES_PER_TOKEN,
+                              ok & (col0 + tok < longest), SCALES_PER_TOKEN, MXFP4)
+    page_ahead, ok_ahead = block_table_page(bt_row, blk0 + 1, num_scored > 1, max_blocks, num_pages)
     for t in range(num_scored):
         cols = col0 + t * BLOCK_N + tok
         scales = scales_next
-        ok_ahead = (page_ahead >= 0) & (page_ahead < num_pages)
-        scales_next = load_scales(
-            scales_ptr + tl.where(ok_ahead, page_ahead, 0).to(tl.int64) * scale_stride + tok * SCALES_PER_TOKEN,
-            ok_ahead & (cols + BLOCK_N < longest), SCALES_PER_TOKEN, MXFP4)
-        page_ahead = tl.load(bt_row + blk0 + t + 2, mask=(t + 2 < num_scored) & (blk0 + t + 2 < max_blocks), other=-1)
-        page, ok = _tile_page(bt_row, blk0 + t, True, max_blocks, num_pages)
+        scales_next = load_scales(scales_ptr + _page_row(page_ahead) * scale_stride + tok * SCALES_PER_TOKEN,
+                                  ok_ahead & (cols + BLOCK_N < longest), SCALES_PER_TOKEN, MXFP4)
+        page_ahead, ok_ahead = block_table_page(bt_row, blk0 + t + 2, t + 2 < num_scored, max_blocks, num_pages)
+        page, ok = block_table_page(bt_row, blk0 + t, True, max_blocks, num_pages)
         live = ok & (cols < longest)
-        keys, factor = key_tile(values_ptr + page * page_stride + tok * VALUE_BYTES, scales, live, D, MXFP4, ALIGNED)
+        keys, factor = key_tile(values_ptr + _page_row(page) * page_stride + tok * VALUE_BYTES, scales, live, D,
+                                MXFP4, ALIGNED)
         if SPLIT:
             out_row = out_ptr + (b * NEXT_N).to(tl.int64) * out_stride
             _score_row(keys, q0, w0, factor, live, cols, len0, out_row, max_model_len)

@@ -72,21 +72,20 @@ def next_n_kernel(choice, next_n: int) -> str:
 
 def _gluon_applies(q: torch.Tensor, values: torch.Tensor) -> bool:
     """What both Gluon decodes need: a Hopper GPU, D = 128, 16-128 heads, at most 256 product
-    columns (next_n rounded up to a power of two, times H), 16-byte aligned key pages."""
+    columns (next_n rounded up to a power of two, times H), at least one 16-byte aligned key page."""
     if not PTX_AVAILABLE or not q.is_cuda:
         return False
     batch, next_n, num_heads, head_dim = q.shape
     return (torch.cuda.get_device_capability(q.device)[0] == 9 and head_dim == 128
             and num_heads in (16, 32, 64, 128) and triton.next_power_of_2(next_n) * num_heads <= 256
-            and values.data_ptr() % 16 == 0 and values.stride(0) % 16 == 0)
+            and values.shape[0] > 0 and values.data_ptr() % 16 == 0 and values.stride(0) % 16 == 0)
 
 
 def _pool_pages(values: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether MXFP4 views have the pool's page layout the Gluon kernel reads: each page's scales
-    right after its values (as ``mxfp4_page_views`` cuts them), at least one page."""
+    right after its values (as ``mxfp4_page_views`` cuts them)."""
     return (scales.data_ptr() == values.data_ptr() + values.shape[1] * values.shape[2]
-            and scales.stride(0) == values.stride(0) and scales.stride(1) == scales.shape[2]
-            and values.shape[0] > 0)
+            and scales.stride(0) == values.stride(0) and scales.stride(1) == scales.shape[2])
 
 
 def _decode_config(fmt: IndexerKeyFormat, config: dict | None) -> dict:
