@@ -315,6 +315,81 @@ def test_validation_names_the_argument():
         ragged_prefill_logits(q[0], w, torch.zeros(4, D), torch.ones(4), lens[0], lens[0])
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_reads_the_format_off_the_pages(fmt, impl):
+    """Without ``indexer_kv_dtype`` the format comes from the pages (the pool's entry width); the
+    name, or an IndexerKeyFormat, gives the same logits bit for bit."""
+    _, pages = make_pool(fmt, 5)
+    q, w = random_queries(2, 2, 16)
+    table = torch.tensor([[4, 0, 2], [1, 3, -1]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([[150, 151], [65, 66]], dtype=torch.int32, device=DEVICE)
+    named = decode(impl, q, w, lens, pages, table, 200, fmt)
+    for given in (None, IndexerKeyFormat(fmt, D)):
+        assert torch.equal(decode(impl, q, w, lens, pages, table, 200, given), named)
+
+
+def test_decode_wrong_format_is_refused_clearly():
+    """A format the pages do not hold, an unknown name or a format of another key width: a
+    ValueError naming it, before anything is written."""
+    _, pages = make_pool("fp8", 2, device="cpu")
+    q, w = random_queries(1, 1, 16, device="cpu")
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([[10]], dtype=torch.int32)
+    out = torch.full((1, 64), float("nan"))
+    cases = [("mxfp4", r"do not hold mxfp4 keys of head_dim=128"),
+             ("bf16", r"indexer_kv_dtype='bf16' is not supported; allowed: auto, fp8, mxfp4"),
+             (IndexerKeyFormat("fp8", 64), r"head_dim=64, keys have 128"),
+             (8, r"indexer_kv_dtype must be a string")]
+    for given, message in cases:
+        with pytest.raises(ValueError, match=message):
+            paged_decode_logits(q, w, lens, pages, table, 64, given, out=out)
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefill_reads_the_format_off_the_dtypes(impl):
+    """FP8 keys (e4m3 values, float32 scales) and MXFP4 keys (uint8 values and scale bytes) need
+    no format argument; mixed or misshapen pairs are refused naming k_values and k_scales."""
+    q = torch.randn(3, 16, D, device=DEVICE).to(torch.float8_e4m3fn)
+    w = torch.rand(3, 16, device=DEVICE)
+    ks = torch.tensor([0, 10, 64], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([100, 65, 100], dtype=torch.int32, device=DEVICE)
+    keys = torch.randn(100, D, device=DEVICE)
+    fp8, mxfp4 = quantize_fp8(keys), quantize_mxfp4(keys)
+    for values, scales in (fp8, mxfp4):
+        out = ragged_prefill_logits(q, w, values, scales, ks, ke, impl=impl)
+        ref = ragged_prefill_logits(q, w, values, scales, ks, ke, impl="torch")
+        assert torch.equal(torch.isneginf(out), torch.isneginf(ref)) and calc_diff(out, ref) < STRICT
+    for values, scales in ((fp8[0], mxfp4[1]), (mxfp4[0], fp8[1]), (mxfp4[0][:, :32], mxfp4[1])):
+        with pytest.raises(ValueError, match="keys must be k_values .* and k_scales"):
+            ragged_prefill_logits(q, w, values, scales, ks, ke, impl=impl)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ragged_prefill_logits(q[..., :48], w, mxfp4[0][:, :24], mxfp4[1][:, :1], ks, ke, impl="torch")
+
+
+def test_arguments_of_the_wrong_type_are_refused():
+    _, pages = make_pool("fp8", 2, device="cpu")
+    q, w = random_queries(1, 1, 16, device="cpu")
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([[10]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be a torch.Tensor"):
+        paged_decode_logits(q.tolist(), w, lens, pages, table, 64)
+    with pytest.raises(ValueError, match="context_lens must be a torch.Tensor"):
+        paged_decode_logits(q, w, [10], pages, table, 64)
+    with pytest.raises(ValueError, match="block_table must be an int32 tensor"):
+        paged_decode_logits(q, w, lens, pages, [[0, 0]], 64)
+    for bad in (64.0, True, "64", 0):
+        with pytest.raises(ValueError, match="max_model_len"):
+            paged_decode_logits(q, w, lens, pages, table, bad)
+    with pytest.raises(ValueError, match="k_scales must be a torch.Tensor"):
+        ragged_prefill_logits(q[0], w, *quantize_fp8(torch.randn(4, D))[:1], None, lens[0], lens[0])
+    with pytest.raises(ValueError, match="next_n"):
+        per_row_context_lens(lens[0], 1.5)
+    with pytest.raises(ValueError, match="seq_lens"):
+        per_row_context_lens(lens, 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("heads", [32, 64])
@@ -492,3 +567,12 @@ for heads, next_n, rows, per_row in ((32, 1, 1, False), (64, 2, 2, True), (32, 3
 print("built")
 """
     assert "built" in run_compiled_script(script)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from dsacache.ops.indexer_logits import api
+
+    result = doctest.testmod(api, verbose=False)
+    assert result.attempted >= 3 and result.failed == 0

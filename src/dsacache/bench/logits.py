@@ -87,8 +87,8 @@ def make_inputs(batch: int, ctx: int, heads: int, next_n: int, pages: torch.Tens
 
 def check(args_tuple, fmt: str, max_model_len: int) -> float:
     """Run both paths once; raise CorrectnessError unless they agree."""
-    out = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="triton")
-    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="torch")
+    out = paged_decode_logits(*args_tuple, max_model_len=max_model_len, impl="triton")
+    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, impl="torch")
     if not torch.equal(torch.isneginf(out), torch.isneginf(ref)) or torch.isnan(out).any():
         raise CorrectnessError(f"{fmt} logits: -inf pattern differs from the reference (or NaN)")
     diff = calc_diff(out, ref)
@@ -113,7 +113,7 @@ def run_sweep(args_tuple, fmt: str, max_model_len: int, ceiling: float, nbytes: 
     q, weights, seq_lens, pages, block_table = args_tuple
     values, scales = (fp8_page_views if fmt == "fp8" else mxfp4_page_views)(pages, HEAD_DIM)
     out = torch.empty(q.shape[0] * q.shape[1], max_model_len, dtype=torch.float32, device=q.device)
-    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="torch")
+    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, impl="torch")
     for cfg in sweep_configs(fmt):
         def launch():
             launch_paged_decode(q, weights, seq_lens, values, scales, block_table, out,
@@ -135,7 +135,7 @@ def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict) -> Ben
     heads = inputs[0].shape[2]
     diff = check(inputs, fmt, ctx)
     def call():
-        return paged_decode_logits(*inputs, max_model_len=ctx, indexer_kv_dtype=fmt)
+        return paged_decode_logits(*inputs, max_model_len=ctx)
     ms = time_graph(call)
     extra = {"calc_diff": f"{diff:.1e}", "eager_us": f"{time_cuda(call) * 1e3:.1f}"}
     if fmt == "fp8":

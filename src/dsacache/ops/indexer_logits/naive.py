@@ -25,11 +25,9 @@ def score_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> to
     return torch.einsum("rhn,rh->rn", dots.relu(), weights.float())
 
 
-def dequantize_keys(k_values: torch.Tensor, k_scales: torch.Tensor) -> torch.Tensor:
-    """Contiguous keys in either encoding -> fp32 ``[N, D]`` (the format follows the dtypes)."""
-    if k_values.dtype == torch.float8_e4m3fn:
-        return dequantize_fp8(k_values, k_scales)
-    return dequantize_mxfp4(k_values, k_scales)
+def dequantize_keys(k_values: torch.Tensor, k_scales: torch.Tensor, fmt: IndexerKeyFormat) -> torch.Tensor:
+    """Contiguous keys of the format ``fmt`` -> fp32 ``[N, D]``."""
+    return (dequantize_mxfp4 if fmt.is_mxfp4 else dequantize_fp8)(k_values, k_scales)
 
 
 def paged_decode_logits(
@@ -78,9 +76,10 @@ def ragged_prefill_logits(
     k_scales: torch.Tensor,
     ks: torch.Tensor,
     ke: torch.Tensor,
+    fmt: IndexerKeyFormat,
 ) -> torch.Tensor:
     """Reference prefill logits ``[M, N]``: row ``i`` sees key rows ``[ks[i], ke[i])``."""
-    keys = dequantize_keys(k_values, k_scales)
+    keys = dequantize_keys(k_values, k_scales, fmt)
     scores = score_keys(q, weights, keys)
     cols = torch.arange(keys.shape[0], device=q.device)
     inside = (cols[None, :] >= ks[:, None].long()) & (cols[None, :] < ke[:, None].long())
