@@ -91,8 +91,8 @@ def test_decode_triton_matches_reference(fmt, next_n, heads):
 @pytest.mark.parametrize("next_n", [2, 3, 4])
 @pytest.mark.parametrize("split", [True, False])
 def test_decode_one_product_per_row_matches_reference(fmt, next_n, split):
-    """The split kernel path (one product per query row) and the joint one, forced at any head
-    count, with per-request lengths (each row masked at its own length)."""
+    """The Triton decode's split path (one product per query row) and its joint one, forced at any
+    head count (and on Hopper too), with per-request lengths (each row masked at its own length)."""
     pytest.importorskip("triton")
     from dsacache.ops.indexer_logits.launch import launch_paged_decode
 
@@ -104,7 +104,7 @@ def test_decode_one_product_per_row_matches_reference(fmt, next_n, split):
     out = torch.full((batch * next_n, max_model_len), float("nan"), device=DEVICE)
     values, scales = views(fmt, pages)
     launch_paged_decode(q, w, seq_lens, values, scales, table, out, IndexerKeyFormat(fmt, D),
-                        {"split_rows": {next_n: 1} if split else {}})
+                        {"kernel": "triton", "split_rows": {next_n: 1} if split else {}})
     ref = decode("torch", q, w, per_row_context_lens(seq_lens, next_n), pages, table, max_model_len, fmt)
     assert not torch.isnan(out).any(), "unwritten (NaN) logits"
     assert_close_to_reference(out, ref, fmt)
@@ -292,11 +292,15 @@ def test_prefill_row_chunks():
     assert prefill_row_chunks(0, 5, 64) == []
 
 
-def test_validation_names_the_argument():
+def small_cpu_case():
+    """(pages, q, w, table, lens): one FP8 request of 10 tokens on CPU, for the argument checks."""
     _, pages = make_pool("fp8", 2, device="cpu")
     q, w = random_queries(1, 1, 16, device="cpu")
-    table = torch.zeros(1, 2, dtype=torch.int32)
-    lens = torch.tensor([[10]], dtype=torch.int32)
+    return pages, q, w, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([[10]], dtype=torch.int32)
+
+
+def test_validation_names_the_argument():
+    pages, q, w, table, lens = small_cpu_case()
     with pytest.raises(ValueError, match="q must be"):
         paged_decode_logits(q.float(), w, lens, pages, table, 64)
     with pytest.raises(ValueError, match="weights"):
@@ -332,10 +336,7 @@ def test_decode_reads_the_format_off_the_pages(fmt, impl):
 def test_decode_wrong_format_is_refused_clearly():
     """A format the pages do not hold, an unknown name or a format of another key width: a
     ValueError naming it, before anything is written."""
-    _, pages = make_pool("fp8", 2, device="cpu")
-    q, w = random_queries(1, 1, 16, device="cpu")
-    table = torch.zeros(1, 2, dtype=torch.int32)
-    lens = torch.tensor([[10]], dtype=torch.int32)
+    pages, q, w, table, lens = small_cpu_case()
     out = torch.full((1, 64), float("nan"))
     cases = [("mxfp4", r"do not hold mxfp4 keys of head_dim=128"),
              ("bf16", r"indexer_kv_dtype='bf16' is not supported; allowed: auto, fp8, mxfp4"),
@@ -369,10 +370,7 @@ def test_prefill_reads_the_format_off_the_dtypes(impl):
 
 
 def test_arguments_of_the_wrong_type_are_refused():
-    _, pages = make_pool("fp8", 2, device="cpu")
-    q, w = random_queries(1, 1, 16, device="cpu")
-    table = torch.zeros(1, 2, dtype=torch.int32)
-    lens = torch.tensor([[10]], dtype=torch.int32)
+    pages, q, w, table, lens = small_cpu_case()
     with pytest.raises(ValueError, match="q must be a torch.Tensor"):
         paged_decode_logits(q.tolist(), w, lens, pages, table, 64)
     with pytest.raises(ValueError, match="context_lens must be a torch.Tensor"):

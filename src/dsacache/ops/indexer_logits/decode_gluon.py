@@ -49,20 +49,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsacache.ops.indexer_logits.mxfp4_e4m3 import group_tables_ptx, table_columns, table_lookup_ptx
+from dsacache.ops.indexer_logits.mxfp4_e4m3 import group_tables_ptx, table_columns, table_decode_ptx, table_lookup_ptx
 from dsacache.ops.triton_utils import block_table_page
 
 # One register of e4m3 bytes from half s of a packed word: $1 the word, $5 the half's shift
 # (0 or 16), $9 the group's t (< 0: dropped). Tables and sign trick as in WORD_DECODE_ASM
 # (mxfp4_e4m3.py); pack=4 hands each input over four times, only the first is read.
-_HALF_ASM = gl.constexpr("""
-{
-.reg .pred kept;
-.reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
-""" + group_tables_ptx("$9") + """shr.u32 sel, $1, $5;
-xor.b32 flip, sel, 0x8888;
-""" + table_lookup_ptx("$0", "sel") + """}
-""")
+_HALF_ASM = gl.constexpr(table_decode_ptx(
+    group_tables_ptx("$9") + "shr.u32 sel, $1, $5;\nxor.b32 flip, sel, 0x8888;\n" + table_lookup_ptx("$0", "sel")))
 
 
 # relu and the bf16 rounding of two accumulators in one instruction ($1 the first, low half).
@@ -73,6 +67,29 @@ _RELU_BF16X2_ASM = gl.constexpr("cvt.rn.relu.bf16x2.f32 $0, $2, $1;")
 def _sum_mma_layout():
     """The head-sum product [64 tokens, 8 columns] (fp32): column 2r + 1 and 2r of query row r."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+
+
+@gluon.constexpr_function
+def _score_mma_layout(n):
+    """The score product [64 tokens, n = rows x heads] (fp32), K = 32 a wgmma instruction."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32])
+
+
+@gluon.jit
+def _query_operand(q_ptr, b, NEXT_N: gl.constexpr, H: gl.constexpr, N: gl.constexpr, TABLE_ORDER: gl.constexpr):
+    """Request ``b``'s queries [N, 128] e4m3 as the B operand of the score product, in shared memory
+    (row n: query row n // H, head n % H; rows past NEXT_N zero), columns in the key order of the
+    table decode (``table_columns``) when ``TABLE_ORDER`` (MXFP4 keys), in element order otherwise."""
+    D: gl.constexpr = 128
+    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    if TABLE_ORDER:
+        d = table_columns(d, D // 32)
+    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
+    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
+    return gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
 
 
 @gluon.jit
@@ -161,25 +178,15 @@ def paged_decode_mxfp4_kernel(
     num_pages, max_blocks, bt_stride, page_stride, max_model_len, out_stride,
     NEXT_N: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr, TILES: gl.constexpr,
 ):
-    D: gl.constexpr = 128
     PAGE: gl.constexpr = 64
     N: gl.constexpr = ROWS * H
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
-    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])      # [N, D] queries
-    QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    MMA: gl.constexpr = _score_mma_layout(N)
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
     ncol, len_col, num_scored = _program_rows(lens_ptr, b, col0, max_model_len, NEXT_N, PER_ROW, TILES)
 
-    # Queries [N, D] in the key column order (table_columns), as the B operand in shared memory
-    # (row n: query row n // H, head n % H; rows past NEXT_N zero).
-    n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
-    col = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    d = table_columns(col, D // 32)
-    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
-    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
+    q_smem = _query_operand(q_ptr, b, NEXT_N, H, N, True)
     # The 2**-6 of the token factor 2**(top - 133) is folded into the weights.
     w_smem = _head_weight_operand(w_ptr, b, 0.015625, NEXT_N, H, N)
     entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, num_pages, TILES, 2)
@@ -403,9 +410,7 @@ def paged_decode_fp8_kernel(
     D: gl.constexpr = 128
     PAGE: gl.constexpr = 64
     N: gl.constexpr = ROWS * H
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
-    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    MMA: gl.constexpr = _score_mma_layout(N)
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
@@ -422,12 +427,7 @@ def paged_decode_fp8_kernel(
     for s in gl.static_range(STAGES):
         _fetch_page(k_desc, _entry(entries, s), s < num_scored, num_pages, bars.index(s), k_smem.index(s))
 
-    # Queries [N, D] (row n: query row n // H, head n % H; rows past NEXT_N zero) as the B operand.
-    n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
-    d = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
-    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
+    q_smem = _query_operand(q_ptr, b, NEXT_N, H, N, False)
     w_smem = _head_weight_operand(w_ptr, b, 1.0, NEXT_N, H, N)
     tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N)
     fence_async_shared()

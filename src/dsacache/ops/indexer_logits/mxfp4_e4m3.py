@@ -86,6 +86,16 @@ selp.b32 nh, nh, 0, kept;
 """
 
 
+def table_decode_ptx(body: str) -> str:
+    """An inline-asm block declaring the registers of the table decode around ``body``, which
+    builds the tables (:func:`group_tables_ptx`) and looks values up (:func:`table_lookup_ptx`)."""
+    return """
+{
+.reg .pred kept;
+.reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
+""" + body + "}\n"
+
+
 def table_lookup_ptx(out: str, sel: str) -> str:
     """PTX: the four signed e4m3 bytes of the codes selected by ``sel`` (flip: ``sel`` with its
     sign bits flipped) from the group's tables, into ``out``."""
@@ -100,11 +110,6 @@ add.u32 {out}, pos, neg;
 #: of the word $2 (code i in bits 4i..4i+3, low nibble first as stored); $6: the group's t
 #: (< 0: dropped). pack=4 hands each input over as four copies (one per output byte), only
 #: the first is read.
-WORD_DECODE_ASM = tl.constexpr("""
-{
-.reg .pred kept;
-.reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
-""" + group_tables_ptx("$6") + "xor.b32 flip, $2, 0x88888888;\n" + table_lookup_ptx("$0", "$2") + """shr.u32 sel, $2, 16;
-shr.u32 flip, flip, 16;
-""" + table_lookup_ptx("$1", "sel") + """}
-""")
+WORD_DECODE_ASM = tl.constexpr(table_decode_ptx(
+    group_tables_ptx("$6") + "xor.b32 flip, $2, 0x88888888;\n" + table_lookup_ptx("$0", "$2")
+    + "shr.u32 sel, $2, 16;\nshr.u32 flip, flip, 16;\n" + table_lookup_ptx("$1", "sel")))
