@@ -28,14 +28,14 @@ DECODE_CONFIG = {
     "maxnreg": 64,         # register cap with one query row (NVIDIA): one more program an SM
     "maxnreg_rows": 96,    # the cap with several rows: 64 spills there
     "maxnreg_cols": 64,    # caps apply up to this many product columns (next_n rounded up, times H); wider got slower
-    "split_rows": {2: 64},  # next_n -> fewest heads at which each row gets its own product (fewer accumulators)
+    "split_rows": {2: 64},  # next_n -> fewest heads at which a product a row (fewer accumulators) was faster
     "kernel": {2: "gluon", 3: "gluon", 4: "gluon"},  # FP8 keys, next_n -> kernel; at 1 row Triton is as fast
-    "fp8_gluon_tiles": 32,  # pages a program of the FP8 Gluon kernel: more pages to overlap the TMA ring with
-    "fp8_gluon_stages": 4,  # pages in flight in its TMA ring: enough to cover the load latency
+    "fp8_gluon_tiles": 32,  # pages a program of the FP8 Gluon kernel: faster than 16 in the H200 probe
+    "fp8_gluon_stages": 4,  # pages in flight in its TMA ring: covers the load latency (6 was no gain)
 }
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own).
 MXFP4_DECODE_CONFIG: dict = {
-    "TILES": 16,           # pages a program (Triton and Gluon): the decode's setup pays off over more pages
+    "TILES": 16,           # pages a program (Triton and Gluon; for Gluon 8 and 32 were slower)
     "maxnreg_cols": 32,    # the cap helps at H = 32 and hurts at H = 64
     "maxnreg_rows": None,  # no cap with several rows
     "kernel": "gluon",     # Gluon on Hopper at every next_n: far fewer instructions a page than the Triton decode
@@ -43,9 +43,9 @@ MXFP4_DECODE_CONFIG: dict = {
 #: Ragged prefill settings.
 PREFILL_CONFIG = {
     "BLOCK_N": 64,         # keys a tile: the MXFP4 table decode keeps them in registers with 4 warps
-    "TILES": 8,            # tiles a program
+    "TILES": 8,            # tiles a program, as the decode: long rows of tiles amortise the query load
     "ROWS": 4,             # query rows a program: each key tile is read once for all of them
-    "num_warps": 4,
+    "num_warps": 4,        # what BLOCK_N = 64 asks of the table decode
     "num_stages": 3,       # the pipeliner prefetches two tiles of keys ahead
 }
 
