@@ -75,8 +75,8 @@ def test_default_json_is_k31_tp8():
     assert out["draft_bytes_per_token"] == 0
     assert out["state_bytes"] == 814080
     assert out["indexer_kv_dtype"] == "fp8"
-    assert out["num_rows"] == 2661  # 51,539,607,552 // (1024 x 18912)
-    assert out["token_capacity"] == 2661 * 1024
+    assert out["num_rows"] == 2660  # 51,539,607,552 // (1024 x 18912), less the guard row
+    assert out["token_capacity"] == 2660 * 1024
     assert out["page_stride_bytes"] == 1210368  # 64 x 18912
 
 

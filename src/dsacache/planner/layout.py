@@ -103,9 +103,17 @@ class CacheLayout:
         return self.num_rows * self.pages_per_row
 
     @property
+    def guard_rows(self) -> int:
+        """Rows the pool allocates in front of row 0 and hands to no request: 1 when the layout holds
+        KDA states (a state index of ``-1`` then addresses this guard row in every per-layer state
+        view, so state kernels without a padding check, such as fla-core's, write padded batch
+        entries there), else 0. Counted in :attr:`pool_bytes` and in the rows the budget gives."""
+        return 1 if self.state_rows_per_request else 0
+
+    @property
     def pool_bytes(self) -> int:
-        """Bytes of the whole pool (one allocation per GPU)."""
-        return self.num_rows * self.row_bytes
+        """Bytes of the whole pool (one allocation per GPU): ``num_rows`` rows plus the guard rows."""
+        return (self.num_rows + self.guard_rows) * self.row_bytes
 
     @property
     def token_capacity(self) -> int:
@@ -168,7 +176,7 @@ class CacheLayout:
         if block_size * self.row_bytes_per_token < self.states_per_row * self.state_bytes:
             raise ConfigError(f"block_size={block_size} rows cannot hold {self.states_per_row} KDA states")
         _check_interleave(self.config, block_size)
-        num_rows = self.pool_bytes // (block_size * self.row_bytes_per_token)
+        num_rows = max(0, self.pool_bytes // (block_size * self.row_bytes_per_token) - self.guard_rows)
         return dataclasses.replace(self, block_size=block_size, num_rows=num_rows)
 
 
@@ -265,7 +273,8 @@ def plan(config: CacheConfig, num_rows: int | None = None) -> CacheLayout:
     if state is not None and state.recurrent_offset % 4 or (state and state.nbytes % 4):
         raise ConfigError(f"KDA state of {state.nbytes} B is not 4-byte aligned; fp32 recurrent states need it")
     _check_interleave(config, block)
-    rows = config.cache_memory_bytes // (block * per_token) if num_rows is None else num_rows
+    guard = 1 if kda_slots else 0  # CacheLayout.guard_rows
+    rows = max(0, config.cache_memory_bytes // (block * per_token) - guard) if num_rows is None else num_rows
     if rows < 0:
         raise ConfigError(f"num_rows must be >= 0, got {rows}")
     return CacheLayout(
