@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from dsacache.ops.kda import causal_conv1d_prefill_indexed, causal_conv1d_update_indexed, kda_decode, kda_prefill
 from dsacache.planner import CacheConfig, SpeculativeConfig, plan
-from dsacache.runtime import CachePool, build_kda_metadata
+from dsacache.runtime import CachePool, RowAllocator, build_kda_metadata
 
 fla_naive = pytest.importorskip("fla.ops.kda.naive")
 
@@ -444,3 +444,60 @@ def test_one_request_in_the_pool_matches_the_whole_sequence(impl):
         start = conv_tail.data_ptr() - pool.buffer.data_ptr()
         mask[start : start + conv_tail.numel() * 2] = False
     assert (pool.buffer[~mask] == SENTINEL).all()
+
+
+def compute_prompt(pool, rid, x, qkv, weight, start, stops, layers):
+    """Prefill ``rid`` from token ``start`` to the end in chunks ending at ``stops``, every layer in ``layers``."""
+    rows = pool.allocator.state_rows(rid)
+    edges = [start] + [p for p in stops if p > start] + [x.shape[0]]
+    for a, b in zip(edges, edges[1:]):
+        meta = build_kda_metadata([rows], [b - a], [b], num_decodes=0)
+        for layer in layers:
+            conv_view, rec_view = pool.kda_state_views(layer)
+            index = meta.prefill_state_indices(pool.kda_state_row_index(layer))
+            causal_conv1d_prefill_indexed(x[a:b], conv_view, index, weight, query_start_loc=meta.prefill_query_start_loc,
+                                          has_initial_state=meta.has_initial_state, impl="torch")
+            kda_prefill(*(t[a:b] for t in qkv), rec_view, index, cu_seqlens=meta.prefill_cu_seqlens,
+                        has_initial_state=meta.has_initial_state, use_qk_l2norm_in_kernel=True, impl="torch")
+
+
+def test_a_request_resumed_from_a_checkpoint_ends_in_the_states_of_a_full_prefill():
+    """a computes its prompt and saves the checkpoint at its last full block; b, whose prompt
+    continues a's, restores it and computes only its tail; c computes b's whole prompt without
+    prefix reuse. b's and c's states agree in every KDA layer (two of them checked), and a's
+    checkpoint equals a's states at the boundary."""
+    pool = tiny_pool(num_rows=20)
+    block = pool.layout.block_size
+    layers = [1, 6]  # in the first and the last of a request's state rows
+    channels = 3 * 4 * 16
+    weight, _ = conv_params(channels)
+    total = 2 * block + 60
+    x = torch.randn(total, channels).bfloat16()
+    qkv = kda_inputs(total, 4, 16, seed=9)
+    ids = list(range(total))
+    pool.allocator.add("a", ids[: 2 * block + 20])
+    positions = pool.allocator.checkpoint_positions("a")
+    assert positions == [2 * block]
+    # the engine ends a prefill chunk at the checkpoint position and saves there
+    compute_prompt(pool, "a", x[: 2 * block], [t[: 2 * block] for t in qkv], weight, 0, [block], layers)
+    assert pool.allocator.save_checkpoint("a", 2 * block)
+    pool.copy_state_rows(pool.allocator.pop_state_copies())
+    boundary = {layer: [t.clone() for t in pool.state_tensors("a", layer)] for layer in layers}
+    pool.allocator.free("a")
+
+    pool.allocator.add("b", ids)
+    assert pool.allocator.restored_tokens("b") == 2 * block
+    pool.copy_state_rows(pool.allocator.pop_state_copies())
+    for layer in layers:
+        conv, recurrent = pool.state_tensors("b", layer)
+        assert torch.equal(conv, boundary[layer][0]) and torch.equal(recurrent, boundary[layer][1])
+    compute_prompt(pool, "b", x, qkv, weight, 2 * block, [], layers)
+
+    plain = RowAllocator.from_layout(pool.layout, enable_prefix_reuse=False)
+    other = CachePool(pool.layout, allocator=plain)
+    other.allocator.add("c", num_tokens=total)
+    compute_prompt(other, "c", x, qkv, weight, 0, [], layers)
+    for layer in layers:
+        (conv_b, rec_b), (conv_c, rec_c) = pool.state_tensors("b", layer), other.state_tensors("c", layer)
+        assert torch.equal(conv_b[: W - 1], conv_c[: W - 1])
+        assert (rec_b - rec_c).abs().max() < TOL

@@ -148,6 +148,23 @@ class CachePool:
         recurrent = self._typed_rows(slot.offset + state.conv_bytes, torch.float32, (heads, k, v), row_bytes)
         return conv, recurrent
 
+    def copy_state_rows(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the KDA states of row ``src`` over those of row ``dst`` for each pair, in order
+        (the allocator's :meth:`RowAllocator.pop_state_copies`: checkpoint saves and restores).
+
+        Only the state bytes of a row are copied (``states_per_row x state_bytes``). Every
+        pair is checked first; then one device copy a pair, no host sync.
+        """
+        num_rows = self.layout.num_rows
+        for i, pair in enumerate(copies):
+            if (not isinstance(pair, tuple) or len(pair) != 2 or not all(is_int(r) and 0 <= r < num_rows for r in pair)
+                    or pair[0] == pair[1]):
+                raise ValueError(f"copies[{i}] must be a (src, dst) pair of two different rows in [0, {num_rows}), "
+                                 f"got {pair!r}")
+        nbytes = self.layout.states_per_row * self.layout.state_bytes
+        for src, dst in copies:
+            self.row(dst)[:nbytes].copy_(self.row(src)[:nbytes])
+
     def kda_state_row_index(self, layer: int) -> int:
         """Which of a request's state rows holds KDA layer ``layer`` (0-based among its state rows)."""
         return self._kda_slot(layer).state_row
