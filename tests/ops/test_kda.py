@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from dsacache.ops.kda import causal_conv1d_prefill_indexed, causal_conv1d_update_indexed, kda_decode, kda_prefill
 from dsacache.planner import CacheConfig, SpeculativeConfig, plan
 from dsacache.runtime import CachePool, RowAllocator, build_kda_metadata
+from tests.helpers import run_compiled_script, triton_available
 
 fla_naive = pytest.importorskip("fla.ops.kda.naive")
 
@@ -203,6 +204,34 @@ def test_conv_triton_twin_on_random_batches():
     bf16_close(out[live], ref_out[live])
     assert torch.isnan(out[~live].float()).all()
     assert torch.equal(s, ref_states)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_conv_kernel_builds_for_hopper():
+    """Decode (fused state update), prefill outputs and the prefill state update compile for sm_90
+    (ptxas ships with Triton), in a fresh interpreter: this one may run Triton interpreted."""
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsacache.ops.kda.triton_kernels import conv_indexed_kernel as kernel
+
+signature = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*bf16", "stride_o": "i32", "state_ptr": "*bf16",
+             "stride_n": "i64", "stride_r": "i32", "index_ptr": "*i32", "accepted_ptr": "*i32", "initial_ptr": "*i1",
+             "query_start_ptr": "*i32", "weight_ptr": "*fp32", "stride_wc": "i32", "stride_ww": "i32",
+             "bias_ptr": "*fp32", "C": "i32", "num_states": "i32"}
+for mode in ("decode", "prefill out", "prefill state"):
+    decode = mode == "decode"
+    constants = dict(NEXT_N=2 if decode else 0, W=4, KEEP_DRAFTS=decode, HAS_ACCEPTED=decode,
+                     HAS_INITIAL=not decode, HAS_BIAS=True, SILU=True, WRITE_OUT=mode != "prefill state",
+                     WRITE_STATE=mode != "prefill out", BLOCK_T=2 if decode else 64, BLOCK_S=4, BLOCK_C=256)
+    sig = dict(signature, **{name: "constexpr" for name in constants})
+    compiled = triton.compile(ASTSource(kernel, sig, constants), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4})
+    assert compiled.asm["cubin"]
+print("built")
+"""
+    assert "built" in run_compiled_script(script)
 
 
 def test_conv_refusals_write_nothing():

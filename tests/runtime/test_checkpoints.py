@@ -105,3 +105,18 @@ def test_no_checkpoints_without_state_rows_or_token_ids():
     a = alloc()
     a.add("b", num_tokens=3 * BS)
     assert a.checkpoint_positions("b") == []
+
+
+def test_a_checkpoint_of_a_block_two_requests_share_is_not_evicted():
+    a = alloc(num_rows=20)
+    system = list(range(10_000, 10_000 + 2 * BS))
+    a.add("a", prompt(system, 2 * BS + 5, 0))
+    a.add("b", prompt(system, 2 * BS + 7, 1000))
+    assert a.checkpoint_positions("b") == [2 * BS]
+    assert a.save_checkpoint("b", 2 * BS)
+    a.pop_state_copies()
+    held = a.num_free_rows
+    assert a.num_checkpoint_rows == G and held == 20 - 2 * G - 2 - 2 * 1 - G  # rows: states, shared, tails, checkpoint
+    a.free("a")  # one user left: the checkpoint becomes evictable again
+    assert a.num_free_rows == held + G + 1 + G
+    a.check_invariants()

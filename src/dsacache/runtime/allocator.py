@@ -22,7 +22,8 @@ layers. A *checkpoint* is a copy of a request's state rows (every KDA layer's co
 recurrent state) taken when its prefill stands exactly at the end of a block; it lives in
 ``state_rows_per_request`` rows owned by the prefix cache, named by that block's hash,
 parked (evictable, LRU with the cached blocks) whenever no copy to or from it is pending,
-and counted in the pool's rows like any other. A new request whose shared blocks reach a
+and counted in the pool's rows like any other; while two or more requests share the block it
+ends it is kept out of eviction. A new request whose shared blocks reach a
 checkpoint gets its states copied from it and skips the prefill of every token before it
 (:meth:`RowAllocator.restored_tokens`): attention blocks and indexer keys are reused, the
 KDA states restored. The deepest checkpoint among the shared blocks is used.
@@ -434,7 +435,10 @@ class RowAllocator:
             for row in self.prefix.checkpoint(copy.block_hash):
                 owners[row] += 1
         parked = self.prefix.parked_rows() if self.prefix else []
-        places = sorted(self._free + parked + [r for r in range(self.num_rows) if owners[r]])
+        # A checkpoint whose block a request holds is neither parked nor owned by a request.
+        held = [r for r in range(self.num_rows) if self.prefix and self.prefix.is_checkpoint_row(r)
+                and not owners[r] and not self.prefix.is_parked(r)]
+        places = sorted(self._free + parked + held + [r for r in range(self.num_rows) if owners[r]])
         if places != list(range(self.num_rows)):
             raise AssertionError("a row is lost or in two places")
         if owners != self._refs:
@@ -495,7 +499,7 @@ class RowAllocator:
             rows = self.prefix.checkpoint(block_hash)
             if rows is None:
                 continue
-            parked = self.state_rows_per_request if self._refs[rows[0]] == 0 else 0
+            parked = self.state_rows_per_request if self.prefix.is_parked(rows[0]) else 0
             return (blocks, block_hash) if needed <= self._rows_available(hits) - parked else None
         return None
 
@@ -513,16 +517,28 @@ class RowAllocator:
 
     def _pin(self, block_hash: BlockHash) -> None:
         rows = self.prefix.checkpoint(block_hash)
-        if self._refs[rows[0]] == 0:
+        if self.prefix.is_parked(rows[0]):
             self.prefix.unpark_checkpoint(block_hash)
         for row in rows:
             self._refs[row] += 1
 
     def _unpin(self, block_hash: BlockHash) -> None:
-        rows = self.prefix.checkpoint(block_hash)  # held, so never evicted meanwhile
-        for row in rows:
+        for row in self.prefix.checkpoint(block_hash):  # held, so never evicted meanwhile
             self._refs[row] -= 1
-        if self._refs[rows[0]] == 0:
+        self._settle(block_hash)
+
+    def _settle(self, block_hash: BlockHash) -> None:
+        """Park a checkpoint exactly when no copy holds it and fewer than two requests share the block
+        it ends (a prefix in active use by several requests keeps its checkpoint out of eviction)."""
+        rows = self.prefix.checkpoint(block_hash)
+        if rows is None:
+            return
+        block = self.prefix.lookup(block_hash)
+        held = self._refs[rows[0]] > 0 or (block is not None and self._refs[block] > 1)
+        parked = self.prefix.is_parked(rows[0])
+        if held and parked:
+            self.prefix.unpark_checkpoint(block_hash)
+        elif not held and not parked:
             self.prefix.park_checkpoint(block_hash)
 
     def _share_hits(self, request: _Request, hits: list[int]) -> None:
@@ -532,6 +548,7 @@ class RowAllocator:
             self._refs[row] += 1
             request.rows.append(row)
             request.hashes.append(self.prefix.hash_of(row))
+            self._settle(request.hashes[-1])
         request.num_tokens = request.num_cached_tokens = len(hits) * self.tokens_per_row
         if hits:
             request.last_hash = self.prefix.hash_of(hits[-1])
@@ -548,12 +565,14 @@ class RowAllocator:
 
     def _release(self, row: int) -> None:
         self._refs[row] -= 1
-        if self._refs[row]:
-            return
-        if self.prefix is not None and self.prefix.is_named(row):
-            self.prefix.park(row)
-        else:
-            self._free.append(row)
+        named = self.prefix is not None and self.prefix.is_named(row)
+        if not self._refs[row]:
+            if named:
+                self.prefix.park(row)
+            else:
+                self._free.append(row)
+        if named:
+            self._settle(self.prefix.hash_of(row))
 
     def _grow(self, request: _Request, num_new_tokens: int, token_ids: Sequence[int] | None) -> None:
         """Take the rows, then record the tokens (hashing every block they complete)."""
@@ -569,4 +588,5 @@ class RowAllocator:
             request.last_hash = hash_block(request.last_hash, block)
             request.hashes.append(request.last_hash)
             index = request.num_tokens - len(request.pending) - size
-            self.prefix.insert(request.last_hash, request.rows[index // size])
+            if self.prefix.insert(request.last_hash, request.rows[index // size]):
+                self._settle(request.last_hash)

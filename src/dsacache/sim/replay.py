@@ -7,8 +7,8 @@ waiting requests are admitted in arrival order while rows, ``max_num_seqs`` and 
 step's token budget allow. A prompt is prefilled in the step it is admitted (a prompt
 longer than the budget is admitted alone). KDA state checkpoints follow the allocator's
 policy: an admitted prompt restores the deepest checkpoint its cached blocks reach (those
-tokens cost no prefill budget) and saves one at each position the policy names, rows
-permitting; the copies are handed out at the end of the step.
+tokens cost no prefill budget); after the step's admissions each admitted prompt saves one
+at each position the policy names, in the rows left; the copies are handed out then.
 """
 
 from __future__ import annotations
@@ -191,14 +191,20 @@ class Replay:
             if not self.allocator.can_add(tokens):
                 self.result.admission_refusals += 1
                 break
-            rid = request.request_id
-            self.allocator.add(rid, tokens)
-            for position in self.allocator.checkpoint_positions(rid):
-                self.allocator.save_checkpoint(rid, position)
+            self.allocator.add(request.request_id, tokens)
             waiting.popleft()
             running.append(_Running(request))
-            budget -= request.prompt_len - self.allocator.restored_tokens(rid)
+            budget -= request.prompt_len - self.allocator.restored_tokens(request.request_id)
             admitted += 1
+        self._checkpoint(running[len(running) - admitted :])
+
+    def _checkpoint(self, admitted: list[_Running]) -> None:
+        """After the step's prefills: save the checkpoints the policy names in whatever rows are left
+        (admission came first, as a scheduler decides before the forward pass), then hand out the copies."""
+        for entry in admitted:
+            rid = entry.request.request_id
+            for position in self.allocator.checkpoint_positions(rid):
+                self.allocator.save_checkpoint(rid, position)
         self.allocator.pop_state_copies()
 
     def _never_fits(self, request: SimRequest) -> bool:

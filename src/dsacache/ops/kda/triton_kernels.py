@@ -65,12 +65,13 @@ def conv_indexed_kernel(
     else:
         bos = tl.load(query_start_ptr + b).to(tl.int64)
         num_tokens = (tl.load(query_start_ptr + b + 1) - bos).to(tl.int32)
-    if WRITE_OUT and t0 >= num_tokens:
-        return
+    if WRITE_OUT:
+        if t0 >= num_tokens:
+            return
     first_row = 0
     if HAS_ACCEPTED:
         first_row = tl.load(accepted_ptr + b) - 1
-    has_state = True
+    has_state = index >= 0  # true here; a tensor, like the loaded flag
     if HAS_INITIAL:
         has_state = tl.load(initial_ptr + b) != 0
     state_row_ptr = state_ptr + index * stride_n
