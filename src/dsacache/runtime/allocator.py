@@ -486,8 +486,20 @@ class RowAllocator:
         return self.state_rows_per_request + self.rows_for_tokens(num_tokens) - len(hits)
 
     def _rows_available(self, hits: list[int]) -> int:
-        """Free rows once the hit rows, if parked, are taken out of the evictable set."""
-        return self.num_free_rows - sum(1 for row in hits if self.prefix.is_parked(row))
+        """Free rows once the hit rows, if parked, are taken out of the evictable set, and with them
+        the parked checkpoints of hit blocks that another request already holds (sharing them holds
+        the checkpoint: :meth:`_settle`)."""
+        taken = 0
+        for row in hits:
+            if self.prefix.is_parked(row):
+                taken += 1
+            elif self._checkpoint_parked(self.prefix.hash_of(row)):
+                taken += self.state_rows_per_request
+        return self.num_free_rows - taken
+
+    def _checkpoint_parked(self, block_hash: BlockHash) -> bool:
+        rows = self.prefix.checkpoint(block_hash)
+        return rows is not None and self.prefix.is_parked(rows[0])
 
     def _rows_to_grow(self, request: _Request, num_new_tokens: int) -> int:
         return self.rows_for_tokens(request.num_tokens + num_new_tokens) - len(request.rows)
@@ -499,8 +511,10 @@ class RowAllocator:
             rows = self.prefix.checkpoint(block_hash)
             if rows is None:
                 continue
-            parked = self.state_rows_per_request if self.prefix.is_parked(rows[0]) else 0
-            return (blocks, block_hash) if needed <= self._rows_available(hits) - parked else None
+            # Held once shared if another request holds the block (counted in _rows_available already).
+            extra = self.state_rows_per_request if self.prefix.is_parked(hits[blocks - 1]) \
+                and self.prefix.is_parked(rows[0]) else 0
+            return (blocks, block_hash) if needed <= self._rows_available(hits) - extra else None
         return None
 
     def _positions(self, request: _Request, num_tokens: int, num_hits: int) -> list[int]:

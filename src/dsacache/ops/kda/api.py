@@ -186,6 +186,8 @@ def kda_decode(
     check_same_device(q=q, recurrent_states=recurrent_states, state_indices=state_indices, out=out)
     if use_triton(impl, q, recurrent_states, state_indices, out):
         _check_fla_runs(q)
+        if batch == 0:
+            return out
         from dsacache.ops.kda.launch import launch_recurrent_decode
 
         launch_recurrent_decode(q, k, v, g, beta, out, recurrent_states, state_indices, num_accepted_tokens, scale,
