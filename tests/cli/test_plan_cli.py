@@ -306,7 +306,8 @@ def test_unknown_builtin_model_lists_allowed_names():
 
 def test_plot_to_unwritable_path(tmp_path):
     pytest.importorskip("matplotlib")
-    assert_config_error(run_plan("--plot", str(tmp_path / "missing-dir" / "x.png")), "--plot", "cannot write")
+    assert_config_error(run_plan("--plot", str(tmp_path / "missing-dir" / "x.png")), "--plot", "does not exist")
+    assert not (tmp_path / "missing-dir").exists()
 
 
 @pytest.mark.parametrize("option", ["--kv-cache-memory-bytes", "--gpu-memory"])
