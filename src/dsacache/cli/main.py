@@ -42,13 +42,13 @@ def parse_bytes(text: str) -> int:
     """``"48GiB"``, ``"50GB"``, ``"5e10"`` or ``"123456"`` -> bytes."""
     match = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 48GiB, 50GB, 5e10)")
+        raise argparse.ArgumentTypeError(f"not a byte size: {show(text)} (examples: 48GiB, 50GB, 5e10)")
     try:
         value = float(match.group(1)) * _UNITS[match.group(2).upper()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 48GiB, 50GB, 5e10)") from None
+        raise argparse.ArgumentTypeError(f"not a byte size: {show(text)} (examples: 48GiB, 50GB, 5e10)") from None
     if not math.isfinite(value) or value >= 2**63:
-        raise argparse.ArgumentTypeError(f"byte size {text!r} is too large")
+        raise argparse.ArgumentTypeError(f"byte size {show(text)} is too large (at most 2**63 - 1 B)")
     return int(value)
 
 
@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     # listed for --help only: main() hands everything after "bench" to dsacache.bench untouched
     sub.add_parser("bench", help="time the GPU kernels (same as python -m dsacache.bench; "
                                  "dsacache bench --help lists the suites)", add_help=False)
+    parser.subcommands = {"plan": p, "simulate": s}
     return parser
 
 
@@ -206,7 +207,10 @@ def _run(argv: list[str]) -> int:
         from dsacache.bench.__main__ import main as bench_main
 
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand, so that the hint points at its --help
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args)
 
 

@@ -14,6 +14,10 @@ import sys
 from dsacache.config.model import ConfigError
 from dsacache.config.serving import CacheConfig
 
+#: Most rows a simulated pool may have: the allocator keeps a free list as long as the pool,
+#: so this bounds the run's memory and start-up time (real pools have thousands of rows).
+MAX_SIMULATED_ROWS = 2**20
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``dsacache simulate`` beyond the model and serving ones."""
@@ -31,6 +35,12 @@ def run(args: argparse.Namespace, configs: list[CacheConfig]) -> int:
     if len(configs) != 1:
         raise ConfigError("simulate takes one --tensor-parallel-size, not a list")
     layout = plan(configs[0])
+    if layout.num_rows > MAX_SIMULATED_ROWS:
+        raise ConfigError(
+            f"simulate replays pools of at most {MAX_SIMULATED_ROWS:,} rows; this budget "
+            f"({layout.config.cache_memory_bytes:,} B) gives {layout.num_rows:,} rows of {layout.row_bytes:,} B: "
+            "lower --kv-cache-memory-bytes"
+        )
     progress = not args.no_progress and sys.stderr.isatty()
     report = run_simulation(layout, None, default_workload(seed=args.seed), progress=progress)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())

@@ -272,8 +272,8 @@ def _config_path(source: Any) -> Path:
             raise ConfigError(f"config file not found: {path}")
         if not path.is_file():
             raise ConfigError(f"{path}: not a regular file")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise ConfigError(f"{path!r}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     return path
 
 
