@@ -262,7 +262,7 @@ def test_help_still_prints_usage():
 def test_plan_and_simulate_print_the_budget_in_one_unit(small_sim):
     _, plan_out, _, _ = run(["plan", "--kv-cache-memory-bytes", "48GiB"])
     _, sim_out, _, _ = run(["simulate", "--kv-cache-memory-bytes", "48GiB"])
-    assert "budget 48.00 GiB per GPU" in plan_out
+    assert "budget 48.00 GiB = 51,539,607,552 B per GPU" in plan_out
     assert " GiB per rank" in sim_out
     for text in (plan_out, sim_out):
         assert " GB" not in text and " MB" not in text

@@ -196,7 +196,7 @@ def _packed_lines(s: dict) -> list[str]:
         "",
         *_sub_row_lines(s),
         "",
-        f"Capacity (budget {gib(s['cache_memory_bytes'])} per GPU)",
+        f"Capacity (budget {gib(s['cache_memory_bytes'])} = {s['cache_memory_bytes']:,} B per GPU)",
         f"  rows {s['num_rows']:,}, token capacity {s['token_capacity']:,}",
         f"  requests of {s['context_length']:,} tokens at once: {s['max_concurrent_requests']:,} "
         f"({s['state_rows_per_request']} state rows + "
@@ -234,7 +234,7 @@ def _paged_lines(s: dict) -> list[str]:
         "Paged layout (not a KDA-hybrid DSA model: no packed block size)",
         f"  rows are {s['kernel_page_size']}-token pages of {s['page_stride_bytes']:,} B (every attention layer)",
         "",
-        f"Capacity (budget {gib(s['cache_memory_bytes'])} per GPU)",
+        f"Capacity (budget {gib(s['cache_memory_bytes'])} = {s['cache_memory_bytes']:,} B per GPU)",
         f"  pages {s['num_rows']:,}, token capacity {s['token_capacity']:,}",
         f"  requests of {s['context_length']:,} tokens at once: {s['max_concurrent_requests']:,}"
         + (" (KDA states kept beside the pages)" if s["num_kda_layers"] else ""),
