@@ -295,7 +295,8 @@ def test_argparse_refusals(args, needles):
     (["--decode-context-parallel-size", "3"], ["decode_context_parallel_size=3"]),
     (["--prefill-context-parallel-size", "0"], ["prefill_context_parallel_size must be an integer >= 1"]),
     (["--reference-tp", "0"], ["reference_tp must be an integer >= 1"]),
-    (["--kv-cache-memory-bytes", "1MB"], ["cannot hold one request", "--kv-cache-memory-bytes"]),
+    (["--kv-cache-memory-bytes", "1MB"], ["holds no row", "one row is", "--kv-cache-memory-bytes"]),
+    (["--kv-cache-memory-bytes", "100MB"], ["cannot hold one request", "--kv-cache-memory-bytes"]),
     (["--gpu-memory", "1GB"], ["cannot hold one request"]),
     (["--cache-fraction", "1.5"], ["--cache-fraction must be in (0, 1]"]),
     (["--context-length", "0"], ["context_length must be >= 1"]),
@@ -316,7 +317,8 @@ def test_unknown_builtin_model_lists_allowed_names():
 
 def test_plot_to_unwritable_path(tmp_path):
     pytest.importorskip("matplotlib")
-    assert_config_error(run_plan("--plot", str(tmp_path / "missing-dir" / "x.png")), "--plot", "cannot write")
+    assert_config_error(run_plan("--plot", str(tmp_path / "missing-dir" / "x.png")), "--plot", "does not exist")
+    assert not (tmp_path / "missing-dir").exists()
 
 
 @pytest.mark.parametrize("option", ["--kv-cache-memory-bytes", "--gpu-memory"])
