@@ -59,14 +59,17 @@ _BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 
 
 def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
+    """``output [N, *tensor.shape]`` gets every rank's ``tensor`` (passed concatenated along dim 0, the
+    form gloo takes too)."""
     # torch 2.13 renames all_gather_into_tensor; both exist there, only the old name before.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, tensor, group=group, async_op=async_op)
+    return gather(output.view(-1, *tensor.shape[1:]), tensor, group=group, async_op=async_op)
 
 
 def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    """``output`` gets the sum over the ranks of their ``tensor[rank]`` (``tensor [N, *output.shape]``)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, tensor, group=group)
+    scatter(output, tensor.view(-1, *output.shape[1:]), group=group)
 
 
 def _int_arg(value: object, name: str, low: int, high: int | None = None) -> int:
@@ -151,10 +154,10 @@ class DcpDsaDecodeStep:
             _int_arg(topk, "topk", 1, MAX_TOPK)
         if lse_merge not in LSE_MERGES:
             raise ValueError(f"lse_merge={lse_merge!r}; allowed: {', '.join(LSE_MERGES)}")
+        dcp.check_block_size(pool.layout.block_size)
         if pool.allocator.dcp != dcp:
             raise ValueError(f"the pool's allocator holds {pool.allocator.dcp} but this step is for {dcp}: build the "
                              "rank's allocator with RowAllocator.from_layout(layout, dcp=dcp)")
-        dcp.check_block_size(pool.layout.block_size)
         heads = pool.layout.config.model.num_attention_heads
         if heads is not None and num_heads_local * dcp.world_size > heads:
             raise ValueError(f"num_heads_local={num_heads_local} x DCP world_size={dcp.world_size} is more than the "
@@ -219,13 +222,13 @@ class DcpDsaDecodeStep:
 
     def check(self, meta: IndexerStepMetadata, inputs: DsaDecodeInputs) -> None:
         """``ValueError`` unless ``meta`` and ``inputs`` have this step's shape (host-side, no sync)."""
-        self.local.check(meta, inputs)
         q = inputs.q
         want = (self.batch_size, self.next_n, self.num_heads_local, self.q_dim)
         if q.dtype != torch.bfloat16 or tuple(q.shape) != want or q.device != self.local.pool.device:
             raise ValueError(f"inputs.q must be bf16 {list(want)} on {self.local.pool.device} (this rank's "
                              f"num_heads_local={self.num_heads_local} heads), got {tuple(q.shape)} {q.dtype} "
                              f"on {q.device}")
+        self.local.check(meta, inputs)
 
     def run(self, layer: int, meta: IndexerStepMetadata, inputs: DsaDecodeInputs,
             impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
