@@ -14,6 +14,7 @@ from dsacache.bench.harness import NoDeviceError, copy_ceiling_gbps, machine_hea
 
 #: suite name -> module under dsacache.bench
 SUITES = {
+    "dcp": "dsacache.bench.dcp",
     "kcache": "dsacache.bench.k_cache",
     "logits": "dsacache.bench.logits",
     "topk": "dsacache.bench.topk",

@@ -58,9 +58,9 @@ LSE_MERGES = ("all_to_all", "all_gather_reduce_scatter")
 _BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 
 
-def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
-    """``output [N, *tensor.shape]`` gets every rank's ``tensor`` (passed concatenated along dim 0, the
-    form gloo takes too)."""
+def gather_into(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
+    """All-gather: ``output [N, *tensor.shape]`` (contiguous) gets every rank's ``tensor`` in rank order.
+    Passed to torch concatenated along dim 0, the form gloo takes too; ``async_op`` as in torch."""
     # torch 2.13 renames all_gather_into_tensor; both exist there, only the old name before.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output.view(-1, *tensor.shape[1:]), tensor, group=group, async_op=async_op)
@@ -126,10 +126,13 @@ class DcpDsaDecodeStep:
         topk: positions kept a row (default: the model's ``index_topk``).
         lse_merge: one of :data:`LSE_MERGES`.
 
-    ``run`` returns ``(out [B, next_n, H_local, kv_lora_rank] bf16, lse [B, next_n, H_local] fp32)``
-    for this rank's heads, equal (to rounding) to what one GPU holding every token computes for
-    them; ``global_positions`` ``[B * next_n, topk]`` int32 then holds the step's global top-k.
-    At ``world_size`` 1 it is :class:`~dsacache.layers.dsa.DsaDecodeStep` with no collective.
+    ``run`` returns the step's ``out [B, next_n, H_local, kv_lora_rank]`` bf16 and
+    ``lse [B, next_n, H_local]`` fp32 buffers for this rank's heads, equal (to rounding) to what one
+    GPU holding every token computes for them. After a run, ``global_positions`` ``[B * next_n, topk]``
+    int32 holds the step's global top-k (ascending, then ``-1``) and ``owned_positions`` the local
+    positions of the selected tokens this rank stores (first, ascending, then ``-1``). At
+    ``world_size`` 1 it is :class:`~dsacache.layers.dsa.DsaDecodeStep` with no collective (the
+    same buffers).
 
     Example (one process; under ``torchrun`` each rank builds its own, with its rank)::
 
@@ -172,7 +175,9 @@ class DcpDsaDecodeStep:
         self.max_model_len, self.topk = max_model_len, self.local.topk
         model = pool.layout.config.model
         self.kv_lora_rank, self.q_dim = model.kv_lora_rank, model.mla_cached_dim
-        self.global_positions = self.local.positions
+        # At world_size 1 the one-GPU step's buffers are this step's (every selected token is owned).
+        self.global_positions = self.owned_positions = self.local.positions
+        self.out, self.lse = self.local.out, self.local.lse
         if dcp.world_size > 1:
             self._allocate(pool.device)
 
@@ -238,10 +243,10 @@ class DcpDsaDecodeStep:
         if self.world_size == 1:
             return self.local.run(layer, meta, inputs, impl=impl)
         q = inputs.q if inputs.q.is_contiguous() else self.q_send.copy_(inputs.q)
-        queries = _all_gather(self.q_recv, q, self.group, async_op=True)
+        queries = gather_into(self.q_recv, q, self.group, async_op=True)
         positions = self.local.select(layer, meta, inputs, impl=impl)
         pack_candidates(self.local.logits, positions, self.dcp, out=self.cand_send)
-        _all_gather(self.cand_recv, self.cand_send, self.group)
+        gather_into(self.cand_recv, self.cand_send, self.group)
         merge_topk(self.cand_recv, self.topk, out=self.global_positions, work=self.cand_work)
         owned_local_positions(self.global_positions, self.dcp, out=self.owned_positions)
         queries.wait()
@@ -266,7 +271,7 @@ class DcpDsaDecodeStep:
         merge_partials(self.recv_out, self.recv_lse, out=self.out, lse=self.lse)
 
     def _merge_all_gather_reduce_scatter(self) -> None:
-        _all_gather(self.lse_recv, self.part_lse, self.group)
+        gather_into(self.lse_recv, self.part_lse, self.group)
         total = merged_lse(self.lse_recv)
         weighted_partial(self._by_destination(self.part_out), self._by_destination(self.part_lse),
                          self._by_destination(total), out=self.weighted)
@@ -305,11 +310,11 @@ class DcpDsaDecodeStep:
         if self.world_size == 1:
             return {}
         group = self.group
-        ops = {"query_all_gather": lambda: _all_gather(self.q_recv, self.q_send, group),
-               "topk_all_gather": lambda: _all_gather(self.cand_recv, self.cand_send, group)}
+        ops = {"query_all_gather": lambda: gather_into(self.q_recv, self.q_send, group),
+               "topk_all_gather": lambda: gather_into(self.cand_recv, self.cand_send, group)}
         if self.lse_merge == "all_to_all":
             ops["lse_all_to_all"] = lambda: dist.all_to_all_single(self.recv, self.send, group=group)
         else:
-            ops["lse_all_gather"] = lambda: _all_gather(self.lse_recv, self.part_lse, group)
+            ops["lse_all_gather"] = lambda: gather_into(self.lse_recv, self.part_lse, group)
             ops["out_reduce_scatter"] = lambda: _reduce_scatter(self.out, self.weighted, group)
         return ops
