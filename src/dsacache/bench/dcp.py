@@ -17,7 +17,8 @@ more than the L2). Before timing: at DCP 1 the step's top-k equals the reference
 logits; at DCP N every rank's merged top-k equals the top-k of the whole row's logits,
 gathered from every rank, and the outputs are finite.
 
-Columns. ``dcp_step``: one step of ``--layers`` DSA layers (a CUDA-graph replay unless
+Columns. ``merge_topk`` (one process) also carries the bytes the step's collectives move a layer at
+that ``N`` (printed per collective above it). ``dcp_step``: one step of ``--layers`` DSA layers (a CUDA-graph replay unless
 ``--no-graph``), bytes = the step's HBM minimum (the rank's keys, its logits written and read,
 the latents of its selected tokens); ``coll_us`` = device time of the NCCL kernels in one eager
 step (waiting for the other ranks included); ``vs_dcp1`` = this time over the DCP 1 step with
@@ -44,6 +45,7 @@ from dsacache.ops.topk import topk_indices
 from dsacache.parallel import (
     LSE_MERGES,
     DcpDsaDecodeStep,
+    collective_bytes,
     gather_into,
     merge_partials,
     merge_topk,
@@ -274,7 +276,11 @@ def merge_rows(args) -> list[BenchRow]:
             raise CorrectnessError(f"merge_topk at N={world}: not the top-k of the whole rows")
         shape = f"N={world} R={batch} k={k} ctx={ctx}"
         ms = time_cuda(lambda: merge_topk(candidates, k, out=merged, work=work), spin=True)
-        rows.append(BenchRow("merge_topk", shape, ms, batch * k * (3 * 8 * world + 4), args.ceiling_gbps))
+        moved = {merge: collective_bytes(world, batch, HEADS, 576, 512, k, merge) for merge in args.lse_merge}
+        rows.append(BenchRow("merge_topk", shape, ms, batch * k * (3 * 8 * world + 4), args.ceiling_gbps,
+                             {f"coll_bytes_{merge}": sum(m.values()) for merge, m in moved.items()}))
+        for merge, m in moved.items():
+            print(f"DCP {world} collective bytes a rank receives per layer ({merge}): {m}", flush=True)
         dcp = DcpSettings(world, 0, args.interleave)
         local = logits[:, dcp.global_position(torch.arange(dcp.local_len(ctx), device="cuda"))].contiguous()
         positions = topk_indices(local, dcp.local_len(lens), k)

@@ -106,6 +106,37 @@ def check_group(group, dcp: DcpSettings, device: torch.device):
     return group
 
 
+def collective_bytes(world_size: int, num_rows: int, num_heads_local: int, q_dim: int, kv_lora_rank: int,
+                     topk: int, lse_merge: str = "all_to_all") -> dict[str, int]:
+    """Bytes each rank receives from the other ranks (and sends to them) per DSA layer and step, by collective.
+
+    With ``N = world_size``, ``R = num_rows`` (``B * next_n``), ``H = num_heads_local``, ``D = q_dim``
+    (``kv_lora_rank + rope``), ``r = kv_lora_rank``, ``k = topk``:
+
+    * ``query_all_gather``: ``(N - 1) * R * H * D * 2`` (bf16 queries);
+    * ``topk_all_gather``: ``(N - 1) * R * k * 8`` (one int64 a candidate);
+    * ``all_to_all`` merge, ``lse_all_to_all``: ``(N - 1) * R * H * (2 r + 4)`` (bf16 outputs, fp32 LSEs);
+    * ``all_gather_reduce_scatter`` merge, ``lse_all_gather``: ``(N - 1) * R * N * H * 4`` and
+      ``out_reduce_scatter``: ``(N - 1) * R * H * r * 2`` (what a ring reduce-scatter sends a rank).
+
+    Empty at ``N = 1``. K3.1 at TP 8 (``H = 12``, ``D = 576``, ``r = 512``), B = 64, next_n 1, k 2048:
+
+    >>> collective_bytes(4, 64, 12, 576, 512, 2048)
+    {'query_all_gather': 2654208, 'topk_all_gather': 3145728, 'lse_all_to_all': 2368512}
+    """
+    others = world_size - 1
+    if others == 0:
+        return {}
+    rows, h, r = num_rows, num_heads_local, kv_lora_rank
+    moved = {"query_all_gather": others * rows * h * q_dim * 2, "topk_all_gather": others * rows * topk * 8}
+    if lse_merge == "all_to_all":
+        moved["lse_all_to_all"] = others * rows * h * (2 * r + 4)
+    else:
+        moved["lse_all_gather"] = others * rows * world_size * h * 4
+        moved["out_reduce_scatter"] = others * rows * h * r * 2
+    return moved
+
+
 class DcpDsaDecodeStep:
     """Buffers, collectives and the run of a DSA layer's decode step under DCP, for one step shape.
 
@@ -279,30 +310,10 @@ class DcpDsaDecodeStep:
         self.lse.copy_(self._by_destination(total)[self.dcp.rank])
 
     def collective_bytes(self) -> dict[str, int]:
-        """Bytes each rank receives from the other ranks (and sends to them) per layer and step, by collective.
-
-        With ``N`` ranks, ``R = B * next_n`` rows, ``H = H_local``, ``D`` the query width
-        (``kv_lora_rank + rope``), ``r = kv_lora_rank``, ``k = topk``:
-
-        * ``query_all_gather``: ``(N - 1) * R * H * D * 2`` (bf16 queries);
-        * ``topk_all_gather``: ``(N - 1) * R * k * 8`` (one int64 a candidate);
-        * ``all_to_all`` merge, ``lse_all_to_all``: ``(N - 1) * R * H * (2 r + 4)`` (bf16 outputs, fp32 LSEs);
-        * ``all_gather_reduce_scatter`` merge, ``lse_all_gather``: ``(N - 1) * R * N * H * 4`` and
-          ``out_reduce_scatter``: ``(N - 1) * R * H * r * 2`` (what a ring reduce-scatter sends a rank).
-
-        Empty at ``world_size`` 1.
-        """
-        n = self.world_size
-        if n == 1:
-            return {}
-        rows, h, r = self.num_rows, self.num_heads_local, self.kv_lora_rank
-        moved = {"query_all_gather": (n - 1) * rows * h * self.q_dim * 2, "topk_all_gather": (n - 1) * rows * self.topk * 8}
-        if self.lse_merge == "all_to_all":
-            moved["lse_all_to_all"] = (n - 1) * rows * h * (2 * r + 4)
-        else:
-            moved["lse_all_gather"] = (n - 1) * rows * n * h * 4
-            moved["out_reduce_scatter"] = (n - 1) * rows * h * r * 2
-        return moved
+        """Bytes each rank receives from the other ranks (and sends to them) per layer and step, by
+        collective: :func:`collective_bytes` of this step's shape. Empty at ``world_size`` 1."""
+        return collective_bytes(self.world_size, self.num_rows, self.num_heads_local, self.q_dim, self.kv_lora_rank,
+                                self.topk, self.lse_merge)
 
     def collective_ops(self) -> dict[str, object]:
         """Each collective of the step alone, on the step's buffers, as a no-argument callable keyed like
