@@ -138,9 +138,11 @@ KW = dict(batch_size=2, next_n=1, num_heads_local=4, max_model_len=256, softmax_
 @pytest.mark.parametrize("change, match", [
     (dict(num_heads_local=16), r"num_heads_local=16 x DCP world_size=4 is more than the model's 32"),
     (dict(num_heads_local=0), "num_heads_local must be an integer >= 1"),
-    (dict(max_model_len=2**31), r"max_model_len must be an integer in \[1, 2147483647\]"),
-    (dict(topk=0), "topk must be an integer"),
-    (dict(topk=4097), "topk must be an integer"),
+    (dict(max_model_len=2**31), "max_model_len=2147483648 must be at most 2147483647"),
+    (dict(max_model_len=1.5), "max_model_len must be an integer >= 1"),
+    (dict(topk=0), r"topk=0; allowed: integers 1..4096"),
+    (dict(topk=4097), r"topk=4097; allowed: integers 1..4096"),
+    (dict(topk=True), r"topk=True; allowed"),
     (dict(lse_merge="ring"), "lse_merge='ring'; allowed: all_to_all, all_gather_reduce_scatter"),
 ])
 def test_refusals_before_any_group(change, match):

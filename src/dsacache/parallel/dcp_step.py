@@ -48,6 +48,7 @@ from dsacache.layers.dsa import DsaDecodeInputs, DsaDecodeStep
 from dsacache.ops.topk import MAX_TOPK
 from dsacache.parallel.lse_merge import merge_partials, merged_lse, weighted_partial
 from dsacache.parallel.topk_merge import MAX_POSITIONS, merge_topk, owned_local_positions, pack_candidates
+from dsacache.runtime.checks import int_arg, is_int
 from dsacache.runtime.dcp import DcpSettings, check_dcp
 from dsacache.runtime.metadata import IndexerStepMetadata
 from dsacache.runtime.pool import CachePool
@@ -70,13 +71,6 @@ def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
     """``output`` gets the sum over the ranks of their ``tensor[rank]`` (``tensor [N, *output.shape]``)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(output, tensor.view(-1, *output.shape[1:]), group=group)
-
-
-def _int_arg(value: object, name: str, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
-    return value
 
 
 def check_group(group, dcp: DcpSettings, device: torch.device):
@@ -182,10 +176,13 @@ class DcpDsaDecodeStep:
         if not isinstance(pool, CachePool):
             raise ValueError(f"pool must be a CachePool, got {type(pool).__name__}")
         dcp = check_dcp(dcp)
-        _int_arg(num_heads_local, "num_heads_local", 1)
-        _int_arg(max_model_len, "max_model_len", 1, MAX_POSITIONS)
-        if topk is not None:
-            _int_arg(topk, "topk", 1, MAX_TOPK)
+        num_heads_local = int_arg(num_heads_local, "num_heads_local", 1)
+        max_model_len = int_arg(max_model_len, "max_model_len", 1)
+        if max_model_len > MAX_POSITIONS:
+            raise ValueError(f"max_model_len={max_model_len} must be at most {MAX_POSITIONS} (a candidate carries "
+                             "its position in 31 bits)")
+        if topk is not None and not (is_int(topk) and 1 <= topk <= MAX_TOPK):
+            raise ValueError(f"topk={topk!r}; allowed: integers 1..{MAX_TOPK}")
         if lse_merge not in LSE_MERGES:
             raise ValueError(f"lse_merge={lse_merge!r}; allowed: {', '.join(LSE_MERGES)}")
         dcp.check_block_size(pool.layout.block_size)
