@@ -179,3 +179,42 @@ def test_lse_merge_matches_a_single_part():
     merged, total = merge_partials(out[None], lse[None])
     assert torch.equal(merged, out) and torch.allclose(total, lse)
     assert math.isclose(float(merged_lse(torch.tensor([[0.0], [0.0]]))[0]), math.log(2), rel_tol=1e-6)
+
+
+@pytest.mark.gpu
+def test_merges_capture_in_a_cuda_graph():
+    """No host sync and fixed shapes: the merges replay from a CUDA graph with the eager results."""
+    world, interleave, k = 4, 64, 2048
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(8, 20000, generator=gen).cuda()
+    lens = torch.tensor([20000, 5, 0, 3000, 20000, 64, 65, 19999], dtype=torch.int32).cuda()
+    candidates = _simulate(logits, lens, k, world, interleave)
+    parts = torch.randn(world, 8, 12, 512, generator=gen).to("cuda", torch.bfloat16)
+    lse_parts = torch.randn(world, 8, 12, generator=gen).cuda()
+    dcp = DcpSettings(world, 1, interleave)
+    merged = torch.empty(8, k, dtype=torch.int32, device="cuda")
+    work = torch.empty(8, world, k, dtype=torch.int64, device="cuda")
+    owned = torch.empty_like(merged)
+    out = torch.empty(8, 12, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(8, 12, device="cuda")
+
+    def merges():
+        merge_topk(candidates, k, out=merged, work=work)
+        owned_local_positions(merged, dcp, out=owned)
+        merge_partials(parts, lse_parts, out=out, lse=lse)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        merges()
+    torch.cuda.current_stream().wait_stream(side)
+    want = [t.clone() for t in (merged, owned, out, lse)]
+    for t in (merged, owned, out, lse):
+        t.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        merges()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(got, w) for got, w in zip((merged, owned, out, lse), want))
+    assert torch.equal(merged, topk_indices(logits, lens, k))
