@@ -324,3 +324,26 @@ def test_plot_to_unwritable_path(tmp_path):
 @pytest.mark.parametrize("option", ["--kv-cache-memory-bytes", "--gpu-memory"])
 def test_overflowing_byte_size(option):
     assert_refused(run_plan(option, "1e400"), option)
+
+
+def test_plan_under_dcp_reports_one_ranks_capacity(capsys):
+    """DCP N: every rank keeps the same rows and block, a row covers N x block tokens of a request,
+    so a 1M-token request needs N times fewer attention rows on each rank."""
+    from dsacache.cli.main import main
+
+    context = 1 << 20
+    plans = {}
+    for dcp in (1, 2, 4, 8):
+        assert main(["plan", "--json", "--decode-context-parallel-size", str(dcp), "--context-length",
+                     str(context)]) == 0
+        plans[dcp] = json.loads(capsys.readouterr().out)
+    base = plans[1]
+    for dcp, p in plans.items():
+        assert p["decode_context_parallel_size"] == dcp
+        assert (p["block_size"], p["num_rows"]) == (base["block_size"], base["num_rows"])
+        assert p["attention_rows_per_request"] == -(-context // (dcp * p["block_size"]))
+        assert p["max_concurrent_requests"] == p["num_rows"] // (p["state_rows_per_request"]
+                                                                 + p["attention_rows_per_request"])
+    assert plans[8]["max_concurrent_requests"] > plans[1]["max_concurrent_requests"]
+    assert main(["plan", "--decode-context-parallel-size", "4"]) == 0
+    assert "DCP 4: a row covers 4,096 tokens, each rank storing its share" in capsys.readouterr().out

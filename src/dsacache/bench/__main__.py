@@ -15,6 +15,7 @@ from dsacache.cli.main import ArgumentParser
 
 #: suite name -> module under dsacache.bench
 SUITES = {
+    "dcp": "dsacache.bench.dcp",
     "kcache": "dsacache.bench.k_cache",
     "logits": "dsacache.bench.logits",
     "topk": "dsacache.bench.topk",

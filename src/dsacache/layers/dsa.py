@@ -118,6 +118,16 @@ class DsaDecodeStep:
 
         ``out`` is ``[B, next_n, H, kv_lora_rank]`` bf16, ``lse`` ``[B, next_n, H]`` fp32 (natural log).
         """
+        positions = self.select(layer, meta, inputs, impl=impl)
+        return self.attend(layer, meta, inputs.q, positions, self.out, self.lse, impl=impl)
+
+    def select(self, layer: int, meta: IndexerStepMetadata, inputs: DsaDecodeInputs,
+               impl: str = "auto") -> torch.Tensor:
+        """Steps 1-4: store this step's keys and latents, score every cached key, keep the top-k.
+
+        Returns this step's ``positions`` buffer ``[B * next_n, topk]`` int32 (request positions
+        ascending, then ``-1``; overwritten per call); ``logits`` holds the scores they were ranked by.
+        """
         self.check(meta, inputs)
         pool, tokens = self.pool, self.num_tokens
         slot_mapping = meta.slot_mapping[:tokens]
@@ -127,12 +137,19 @@ class DsaDecodeStep:
         store_mla_latents(inputs.kv_c, inputs.k_pe, mla_pages, slot_mapping, impl=impl, check_slots=False)
         paged_decode_logits(inputs.index_q, inputs.index_weights, meta.decode_context_lens, index_pages,
                             meta.decode_block_table, self.max_model_len, out=self.logits, impl=impl)
-        topk_indices(self.logits, meta.decode_context_lens.reshape(-1), self.topk, out=self.positions, impl=impl)
-        slots = positions_to_slots(self.positions, meta.decode_block_table, self.next_n, pool.num_kernel_pages,
+        return topk_indices(self.logits, meta.decode_context_lens.reshape(-1), self.topk, out=self.positions,
+                            impl=impl)
+
+    def attend(self, layer: int, meta: IndexerStepMetadata, q: torch.Tensor, positions: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 5-6: ``positions [B * next_n, topk]`` int32 (``-1`` = none) to slots, then sparse MLA of
+        ``q [B, next_n, heads, D]`` bf16 over them into ``out [B, next_n, heads, kv_lora_rank]`` bf16 and
+        ``lse [B, next_n, heads]`` fp32 (any head count: decode context parallelism attends with the
+        heads of its whole group)."""
+        slots = positions_to_slots(positions, meta.decode_block_table, self.next_n, self.pool.num_kernel_pages,
                                    impl=impl)
-        return sparse_mla_decode(inputs.q, mla_pages, slots.view(self.batch_size, self.next_n, self.topk),
-                                 self.softmax_scale, kv_lora_rank=self.kv_lora_rank, out=self.out, lse=self.lse,
-                                 impl=impl)
+        return sparse_mla_decode(q, self.pool.mla_pages(layer), slots.view(self.batch_size, self.next_n, self.topk),
+                                 self.softmax_scale, kv_lora_rank=self.kv_lora_rank, out=out, lse=lse, impl=impl)
 
     def run_all(self, meta: IndexerStepMetadata, inputs: dict[int, DsaDecodeInputs],
                 outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, impl: str = "auto"
