@@ -11,9 +11,11 @@ import importlib
 import sys
 
 from dsacache.bench.harness import NoDeviceError, copy_ceiling_gbps, machine_header, print_report, require_cuda
+from dsacache.cli.main import ArgumentParser
 
 #: suite name -> module under dsacache.bench
 SUITES = {
+    "dcp": "dsacache.bench.dcp",
     "kda": "dsacache.bench.kda",
     "kcache": "dsacache.bench.k_cache",
     "logits": "dsacache.bench.logits",
@@ -23,7 +25,7 @@ SUITES = {
 
 def build_parser() -> argparse.ArgumentParser:
     """One subcommand per suite."""
-    parser = argparse.ArgumentParser(prog="dsacache bench", description=__doc__)
+    parser = ArgumentParser(prog="dsacache bench", description=__doc__)
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     sub = parser.add_subparsers(dest="suite", required=True)
     for name, module in SUITES.items():
