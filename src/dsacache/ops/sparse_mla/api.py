@@ -92,7 +92,8 @@ def sparse_mla_decode(
             of the top-k), ``topk`` 1 to 4096. A slot ``< 0`` or ``>= num_pages * 64`` is none
             and is never read, wherever it sits in the row.
         softmax_scale: the score scale, a positive float (``1 / sqrt(qk_head_dim)`` for K3.1).
-        kv_lora_rank: values a latent has (V's width); ``rope = q.shape[-1] - kv_lora_rank``.
+        kv_lora_rank: values a latent has (V's width); ``rope = q.shape[-1] - kv_lora_rank``. The
+            Triton path takes up to 512 (``NotImplementedError`` beyond).
         kv_cache_dtype: ``None`` reads the entry kind off the pages' width (``fp8_ds_mla``: 656 B
             at 512 + 64, 528 B at 512 + 0; ``bfloat16``; ``fp8``); a name or
             :class:`MlaEntryFormat` is checked against it.
@@ -138,8 +139,11 @@ def sparse_mla_decode(
     out = _output("out", out, (batch, s_q, num_heads, rank), torch.bfloat16, q.device)
     lse = _output("lse", lse, (batch, s_q, num_heads), torch.float32, q.device)
     if triton_path:
-        from dsacache.ops.sparse_mla.launch import launch_sparse_mla_decode
+        from dsacache.ops.sparse_mla.launch import MAX_RANK, launch_sparse_mla_decode, triton_supports
 
+        if not triton_supports(fmt):
+            raise NotImplementedError(f"the Triton sparse MLA decode takes kv_lora_rank <= {MAX_RANK}, got {rank}; "
+                                      "use impl='torch'")
         launch_sparse_mla_decode(q, mla_pages, indices, scale, fmt, k_scale, out, lse)
     else:
         naive.sparse_mla_decode(q, mla_pages, indices, scale, fmt, k_scale, out, lse)

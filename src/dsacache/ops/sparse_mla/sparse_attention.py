@@ -2,16 +2,21 @@
 
 One program owns one query row (``b * s_q + s``), one block of ``BH`` heads and one split of
 the row's top-k list. It walks its slots ``BLOCK_N`` at a time: gathers those entries from
-the layer's pages, dequantizes them into a bf16 key tile in registers (the first ``RANK``
-values are also the value tile), scores ``q_nope . k_nope + q_rope . k_rope`` on the tensor
-cores in fp32, and keeps an online softmax in base 2 (``log2(e)`` folded into the scale).
+the layer's pages and scores ``q_nope . k_nope + q_rope . k_rope`` on the tensor cores in
+fp32, keeping an online softmax in base 2 (``log2(e)`` folded into the scale), and adds the
+softmax-weighted values (the first ``RANK`` values of each entry) into an fp32 accumulator.
 With one split it writes ``out`` (bf16) and the natural-log ``lse``; with several it writes
 each split's normalized partial output (fp32) and its base-2 LSE for ``merge_splits``.
 
+The latent part is handled in chunks of ``CHUNK`` (128) values, up to four (``RANK <= 512``),
+each with its own accumulator. Entries never get rounded: e4m3 values and bf16 values are exact
+in bf16, and scales go where fp32 is: an ``fp8_ds_mla`` chunk's tile scale multiplies the
+chunk's scores (``sum_t scale_t * (q_t . codes_t)``) and, for the values, the softmax weights
+of that chunk's product (``(p * scale_t) @ codes_t``); the per-tensor ``k_scale`` of ``fp8``
+entries multiplies the score scale and the output.
+
 Entry kinds (compile-time ``KIND``) and their byte offsets are those of
-:class:`dsacache.formats.mla_entry.MlaEntryFormat`: 0 ``bfloat16``, 1 ``fp8`` (one per-tensor
-``k_scale``, folded into the score scale and the output instead of the tile), 2
-``fp8_ds_mla`` (one fp32 scale a 128-value tile, applied to the tile).
+:class:`dsacache.formats.mla_entry.MlaEntryFormat`: 0 ``bfloat16``, 1 ``fp8``, 2 ``fp8_ds_mla``.
 """
 
 from __future__ import annotations
@@ -67,43 +72,78 @@ def _entries(idx_row, offs_n, end, num_slots, pages_ptr, page_stride, ENTRY: tl.
 
 
 @triton.jit
-def _key_tile(entry, valid, RANK: tl.constexpr, ROPE: tl.constexpr, KIND: tl.constexpr, TILE: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    """(k_nope [BLOCK_N, BLOCK_R], k_rope [BLOCK_N, BLOCK_P]) bf16 of the entries, 0 where not valid.
+def _query_chunk(q_row, head_ok, t: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr):
+    """Query values ``[t * CHUNK, (t + 1) * CHUNK)`` of the program's heads [BH, CHUNK] (0 past RANK)."""
+    offs = t * CHUNK + tl.arange(0, CHUNK)
+    return tl.load(q_row + offs[None, :], mask=head_ok[:, None] & (offs < RANK)[None, :], other=0.0)
 
-    ``fp8`` tiles come back unscaled (the caller folds ``k_scale`` in); ``fp8_ds_mla`` tiles
-    are multiplied by their tile scale in fp32, then rounded to bf16 once. e4m3 values are
-    loaded as [BLOCK_N, chunks, 128] (one chunk a tile scale): that layout compiles without
-    register spills at 64 heads, where a flat [BLOCK_N, BLOCK_R] load spilled.
+
+@triton.jit
+def _value_chunk(entry, valid, t: tl.constexpr, RANK: tl.constexpr, KIND: tl.constexpr, CHUNK: tl.constexpr):
+    """Latent values ``[t * CHUNK, (t + 1) * CHUNK)`` of the entries [BLOCK_N, CHUNK], bf16 and exact
+    (e4m3 codes unscaled), 0 where not valid.
+
+    Loaded as [BLOCK_N, 1, CHUNK]: a load that feeds two dot operands directly gets no shared-memory
+    buffer from the pipeliner for mma.sync, so it would wait for the gather at every step.
     """
+    offs = t * CHUNK + tl.arange(0, CHUNK)
+    mask = (valid[:, None] & (offs < RANK)[None, :])[:, None, :]
+    cols = offs[None, None, :]
     if KIND == KIND_BF16:
-        offs_r = tl.arange(0, BLOCK_R)
-        k_nope = tl.load(entry.to(tl.pointer_type(tl.bfloat16))[:, None] + offs_r[None, :],
-                         mask=valid[:, None] & (offs_r < RANK)[None, :], other=0.0)
-        rope_ptr = (entry + 2 * RANK).to(tl.pointer_type(tl.bfloat16))
+        values = tl.load(entry.to(tl.pointer_type(tl.bfloat16))[:, None, None] + cols, mask=mask, other=0.0)
     else:
-        CHUNK: tl.constexpr = min(TILE, BLOCK_R)
-        offs_t = tl.arange(0, BLOCK_R // CHUNK)
-        col = offs_t[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-        codes = tl.load(entry.to(tl.pointer_type(tl.float8e4nv))[:, None, None] + col[None, :, :],
-                        mask=valid[:, None, None] & (col < RANK)[None, :, :], other=0.0)
-        if KIND == KIND_DS_MLA:
-            scales = tl.load((entry + RANK).to(tl.pointer_type(tl.float32))[:, None] + offs_t[None, :],
-                             mask=valid[:, None] & (offs_t < RANK // TILE)[None, :], other=0.0)
-            k_nope = to_bf16(codes.to(tl.float32) * scales[:, :, None])
-            rope_at: tl.constexpr = RANK + 4 * (RANK // TILE)
-            rope_ptr = (entry + rope_at).to(tl.pointer_type(tl.bfloat16))
-        else:
-            k_nope = codes.to(tl.bfloat16)
-            rope_ptr = (entry + RANK).to(tl.pointer_type(tl.float8e4nv))
-        k_nope = tl.reshape(k_nope, [BLOCK_N, BLOCK_R])
-    if ROPE > 0:
-        offs_p = tl.arange(0, BLOCK_P)
-        k_rope = tl.load(rope_ptr[:, None] + offs_p[None, :], mask=valid[:, None] & (offs_p < ROPE)[None, :],
+        values = tl.load(entry.to(tl.pointer_type(tl.float8e4nv))[:, None, None] + cols, mask=mask,
                          other=0.0).to(tl.bfloat16)
+    return tl.reshape(values, [valid.shape[0], CHUNK])
+
+
+@triton.jit
+def _rope_tile(entry, valid, RANK: tl.constexpr, ROPE: tl.constexpr, KIND: tl.constexpr, TILE: tl.constexpr,
+               BLOCK_P: tl.constexpr):
+    """The rope values of the entries [BLOCK_N, BLOCK_P] bf16 (exact), 0 where not valid."""
+    offs = tl.arange(0, BLOCK_P)
+    mask = valid[:, None] & (offs < ROPE)[None, :]
+    if KIND == KIND_FP8:
+        codes = tl.load((entry + RANK).to(tl.pointer_type(tl.float8e4nv))[:, None] + offs[None, :], mask=mask,
+                        other=0.0)
+        return codes.to(tl.bfloat16)
     else:
-        k_rope = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.bfloat16)
-    return k_nope, k_rope
+        rope_at: tl.constexpr = 2 * RANK if KIND == KIND_BF16 else RANK + 4 * (RANK // TILE)
+        return tl.load((entry + rope_at).to(tl.pointer_type(tl.bfloat16))[:, None] + offs[None, :], mask=mask,
+                       other=0.0)
+
+
+@triton.jit
+def _chunk_scores(scores, q_t, k_t, entry, valid, t: tl.constexpr, RANK: tl.constexpr, KIND: tl.constexpr):
+    """``scores + q_t @ k_t^T``, the product times the chunk's tile scale (one a slot) for
+    ``fp8_ds_mla``; returns (scores, that scale [BLOCK_N] or 1)."""
+    if KIND == KIND_DS_MLA:
+        scale = tl.load((entry + RANK).to(tl.pointer_type(tl.float32)) + t, mask=valid, other=0.0)
+        part = _mma(q_t, tl.trans(k_t), tl.zeros(scores.shape, dtype=tl.float32))
+        return scores + part * scale[None, :], scale
+    else:
+        return _mma(q_t, tl.trans(k_t), scores), 1.0
+
+
+@triton.jit
+def _chunk_values(acc, p, alpha, k_t, scale, KIND: tl.constexpr):
+    """``acc * alpha + bf16(p * scale) @ k_t``: the chunk's weighted values (its tile scale on the weights)."""
+    if KIND == KIND_DS_MLA:
+        p = p * scale[None, :]
+    return _mma(to_bf16(p), k_t, acc * alpha[:, None])
+
+
+@triton.jit
+def _store_chunk(out_ptr, base, heads, head_ok, o, t: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    """Chunk ``t`` of the output rows ``base + heads`` (fp32 partials when SPLIT, else bf16)."""
+    offs = t * CHUNK + tl.arange(0, CHUNK)
+    ptrs = out_ptr + (base + heads)[:, None] * RANK + offs[None, :]
+    mask = head_ok[:, None] & (offs < RANK)[None, :]
+    if SPLIT:
+        tl.store(ptrs, o, mask=mask)
+    else:
+        tl.store(ptrs, to_bf16(o), mask=mask)
 
 
 @triton.jit
@@ -118,9 +158,10 @@ def sparse_mla_attention_kernel(
     stride_qb, stride_qs, stride_qh, stride_ib, stride_is,
     qk_scale,       # softmax_scale * log2(e)
     RANK: tl.constexpr, ROPE: tl.constexpr, ENTRY: tl.constexpr, KIND: tl.constexpr, PAGE: tl.constexpr,
-    TILE: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    TILE: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_P: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    NT: tl.constexpr = (RANK + CHUNK - 1) // CHUNK   # latent chunks, 1 to 4
     # Head blocks vary fastest, so the programs that read one row's slots run side by side (L2).
     pid = tl.program_id(0)
     num_hb = tl.cdiv(num_heads, BH)
@@ -132,15 +173,13 @@ def sparse_mla_attention_kernel(
 
     heads = hb * BH + tl.arange(0, BH)
     head_ok = heads < num_heads
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_p = tl.arange(0, BLOCK_P)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + s.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
-    q_nope = tl.load(q_row + offs_r[None, :], mask=head_ok[:, None] & (offs_r < RANK)[None, :], other=0.0)
-    if ROPE > 0:
-        q_rope = tl.load(q_row + RANK + offs_p[None, :], mask=head_ok[:, None] & (offs_p < ROPE)[None, :],
-                         other=0.0)
-    else:
-        q_rope = tl.zeros([BH, BLOCK_P], dtype=tl.bfloat16)
+    q0 = _query_chunk(q_row, head_ok, 0, RANK, CHUNK)
+    q1 = _query_chunk(q_row, head_ok, 1, RANK, CHUNK)
+    q2 = _query_chunk(q_row, head_ok, 2, RANK, CHUNK)
+    q3 = _query_chunk(q_row, head_ok, 3, RANK, CHUNK)
+    offs_p = tl.arange(0, BLOCK_P)
+    q_rope = tl.load(q_row + RANK + offs_p[None, :], mask=head_ok[:, None] & (offs_p < ROPE)[None, :], other=0.0)
     if KIND == KIND_FP8:
         k_scale = tl.load(k_scale_ptr)
         qk_scale = qk_scale * k_scale
@@ -150,15 +189,27 @@ def sparse_mla_attention_kernel(
     end = tl.minimum(begin + keys_per_split, topk)
     m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BH], dtype=tl.float32)
-    acc = tl.zeros([BH, BLOCK_R], dtype=tl.float32)
+    acc0 = tl.zeros([BH, CHUNK], dtype=tl.float32)
+    acc1 = tl.zeros([BH, CHUNK], dtype=tl.float32)
+    acc2 = tl.zeros([BH, CHUNK], dtype=tl.float32)
+    acc3 = tl.zeros([BH, CHUNK], dtype=tl.float32)
     for start in range(loop_bound(begin), loop_bound(end), BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         entry, valid = _entries(idx_row, offs_n, end, num_slots, pages_ptr, page_stride, ENTRY, PAGE)
-        k_nope, k_rope = _key_tile(entry, valid, RANK, ROPE, KIND, TILE, BLOCK_N, BLOCK_R, BLOCK_P)
         scores = tl.zeros([BH, BLOCK_N], dtype=tl.float32)
         if ROPE > 0:
-            scores = _mma(q_rope, tl.trans(k_rope), scores)
-        scores = _mma(q_nope, tl.trans(k_nope), scores)
+            scores = _mma(q_rope, tl.trans(_rope_tile(entry, valid, RANK, ROPE, KIND, TILE, BLOCK_P)), scores)
+        k0 = _value_chunk(entry, valid, 0, RANK, KIND, CHUNK)
+        scores, sc0 = _chunk_scores(scores, q0, k0, entry, valid, 0, RANK, KIND)
+        if NT > 1:
+            k1 = _value_chunk(entry, valid, 1, RANK, KIND, CHUNK)
+            scores, sc1 = _chunk_scores(scores, q1, k1, entry, valid, 1, RANK, KIND)
+        if NT > 2:
+            k2 = _value_chunk(entry, valid, 2, RANK, KIND, CHUNK)
+            scores, sc2 = _chunk_scores(scores, q2, k2, entry, valid, 2, RANK, KIND)
+        if NT > 3:
+            k3 = _value_chunk(entry, valid, 3, RANK, KIND, CHUNK)
+            scores, sc3 = _chunk_scores(scores, q3, k3, entry, valid, 3, RANK, KIND)
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # A row with no valid slot yet keeps m = -inf; subtracting 0 there keeps p = 0, not NaN.
@@ -166,20 +217,30 @@ def sparse_mla_attention_kernel(
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(scores - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _mma(to_bf16(p), k_nope, acc * alpha[:, None])
+        acc0 = _chunk_values(acc0, p, alpha, k0, sc0, KIND)
+        if NT > 1:
+            acc1 = _chunk_values(acc1, p, alpha, k1, sc1, KIND)
+        if NT > 2:
+            acc2 = _chunk_values(acc2, p, alpha, k2, sc2, KIND)
+        if NT > 3:
+            acc3 = _chunk_values(acc3, p, alpha, k3, sc3, KIND)
         m_i = m_new
 
     seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    inv_l = 1.0 / tl.where(seen, l_i, 1.0)
     if KIND == KIND_FP8:
-        o = o * k_scale
+        inv_l = inv_l * k_scale
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    out_mask = head_ok[:, None] & (offs_r < RANK)[None, :]
     if SPLIT:
-        part = row.to(tl.int64) * num_splits + split
-        tl.store(out_ptr + (part * num_heads + heads)[:, None] * RANK + offs_r[None, :], o, mask=out_mask)
-        tl.store(lse_ptr + part * num_heads + heads, lse2, mask=head_ok)
+        base = (row.to(tl.int64) * num_splits + split) * num_heads
+        tl.store(lse_ptr + base + heads, lse2, mask=head_ok)
     else:
-        tl.store(out_ptr + (row.to(tl.int64) * num_heads + heads)[:, None] * RANK + offs_r[None, :],
-                 to_bf16(o), mask=out_mask)
-        tl.store(lse_ptr + row.to(tl.int64) * num_heads + heads, lse2 * LN2, mask=head_ok)
+        base = row.to(tl.int64) * num_heads
+        tl.store(lse_ptr + base + heads, lse2 * LN2, mask=head_ok)
+    _store_chunk(out_ptr, base, heads, head_ok, acc0 * inv_l[:, None], 0, RANK, CHUNK, SPLIT)
+    if NT > 1:
+        _store_chunk(out_ptr, base, heads, head_ok, acc1 * inv_l[:, None], 1, RANK, CHUNK, SPLIT)
+    if NT > 2:
+        _store_chunk(out_ptr, base, heads, head_ok, acc2 * inv_l[:, None], 2, RANK, CHUNK, SPLIT)
+    if NT > 3:
+        _store_chunk(out_ptr, base, heads, head_ok, acc3 * inv_l[:, None], 3, RANK, CHUNK, SPLIT)
