@@ -16,6 +16,7 @@ from dsacache.bench.harness import NoDeviceError, copy_ceiling_gbps, machine_hea
 SUITES = {
     "kcache": "dsacache.bench.k_cache",
     "logits": "dsacache.bench.logits",
+    "mla": "dsacache.bench.mla",
     "topk": "dsacache.bench.topk",
 }
 
