@@ -24,19 +24,19 @@ from dsacache.ops.triton_utils import check_launch, sm_count
 KINDS = {"bfloat16": 0, "fp8": 1, "fp8_ds_mla": 2}
 
 #: Settings by head block, the same for every entry kind. Each compiles for sm_90 without register
-#: spills (the compile test); at 8 warps and 150-255 registers a thread one program fits an SM.
+#: spills (the compile test); at 8 warps and 150-255 registers a thread, one program fits an SM.
+#: num_stages 5 is what gives the gathered entries two shared-memory buffers (the pipeliner splits
+#: the stages between the slot load and the gather it feeds), so the next step's entries arrive
+#: while this step computes; at 3 or 4 the gather is waited for at every step.
 CONFIGS = {
-    # 16 heads: mma.sync; 32 slots a step (64 spill: both key operands of a step sit in registers).
+    # 16 heads: mma.sync; 32 slots a step (at 64 both key operands of a step spill).
     16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
-    # 32 heads: mma.sync; 16 slots a step (32 spill: the [32, 512] accumulator doubles).
+    # 32 heads: mma.sync; 16 slots a step (at 32 the doubled accumulator spills).
     32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
-    # 64 heads: wgmma; 8 warps hold the [64, 512] fp32 accumulator at 128 registers a thread; 32
-    # slots a step spill 60 B.
+    # 64 heads: wgmma; 8 warps hold the [64, 512] fp32 accumulator at 128 registers a thread; 16
+    # slots a step (32 spill 60 B).
     64: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
 }
-#: num_stages 5 is what gives the gathered entries two shared-memory buffers (the pipeliner
-#: splits the stages between the slot load and the gather it feeds), so the next step's
-#: entries arrive while this step computes; with 3 or 4 they are waited for at every step.
 #: Latent chunks the kernel holds an accumulator for, and the rank they cover at 128 values a chunk.
 MAX_CHUNKS = 4
 MAX_RANK = MAX_CHUNKS * DS_MLA_TILE
