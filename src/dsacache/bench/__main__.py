@@ -19,6 +19,7 @@ SUITES = {
     "kda": "dsacache.bench.kda",
     "kcache": "dsacache.bench.k_cache",
     "logits": "dsacache.bench.logits",
+    "mla": "dsacache.bench.mla",
     "topk": "dsacache.bench.topk",
 }
 
