@@ -420,6 +420,58 @@ print("built")
     assert "built" in report
 
 
+def test_gluon_kernel_compiles_for_hopper_without_spills():
+    """The Gluon kernel builds for sm_90 at the launcher's settings (one split and several) and at the
+    sweep's 32-slot tiles, with wgmma, three register budgets and no spills, within the 227 KB of shared
+    memory a block may take; in a fresh interpreter. Prints registers and shared memory."""
+    pytest.importorskip("triton.experimental.gluon")
+    script = """
+import os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from dsacache.ops.sparse_mla.decode_gluon import sparse_mla_decode_gluon_kernel as kernel
+from dsacache.ops.sparse_mla.launch import GLUON_CONFIG
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+names = list(kernel.arg_names)
+aligned = ["q_ptr", "pages_ptr", "idx_ptr", "out_ptr", "lse_ptr", "page_stride", "stride_qb", "stride_qs",
+           "stride_qh", "stride_ib", "stride_is"]
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+for split, block_n, stages in ((False, None, None), (True, None, None), (False, 32, 3)):
+    cfg = dict(GLUON_CONFIG, **({"BLOCK_N": block_n, "stages": stages} if block_n else {}))
+    signature = dict(q_ptr="*bf16", pages_ptr="*u8", idx_ptr="*i32", out_ptr="*fp32" if split else "*bf16",
+                     lse_ptr="*fp32")
+    signature.update({n: "i32" for n in ["num_heads", "s_q", "topk", "keys_per_split", "num_splits", "num_slots",
+                                         "page_stride", "stride_qb", "stride_qs", "stride_qh", "stride_ib",
+                                         "stride_is"]})
+    signature["qk_scale"] = "fp32"
+    constants = dict(SPLIT=split, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["stages"], PREFETCH=cfg["prefetch"],
+                     GATHER_REGS=cfg["gather_regs"], VALUE_REGS=cfg["value_regs"])
+    signature.update({k: "constexpr" for k in constants})
+    compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=cfg["maxnreg"]))
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        open(os.path.join(tmp, "k.ptx"), "w").write(ptx)
+        done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", os.path.join(tmp, "k.ptx"), "-o",
+                               os.path.join(tmp, "k.o")], capture_output=True, text=True, check=True)
+    report = done.stdout + done.stderr
+    spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", report)
+    spilled = int(spills.group(1)) + int(spills.group(2))
+    budgets = sorted(set(int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
+    shared = compiled.metadata.shared
+    print(f"gluon split={split} BLOCK_N={cfg['BLOCK_N']} stages={cfg['stages']}: {cfg['maxnreg']} registers at "
+          f"entry, partition budgets {budgets}, spilled={spilled}, smem={shared}")
+    assert "wgmma.mma_async" in ptx and spilled == 0 and shared <= 232448, (split, spilled, shared)
+    assert {cfg["gather_regs"], cfg["value_regs"]} <= set(budgets)
+print("built")
+"""
+    report = run_compiled_script(script)
+    print(report)
+    assert "built" in report
+
+
 # ---------------------------------------------------------------- GPU (compiled kernel, large shapes)
 
 def _gpu_pool(num_pages, fmt, k_scale=None):
@@ -548,3 +600,58 @@ def test_rank_past_512_is_not_implemented_on_the_triton_path():
         sparse_mla_decode(q, pages, idx, 0.1, kv_lora_rank=640, impl="triton")
     out, lse = sparse_mla_decode(q, pages, idx, 0.1, kv_lora_rank=640, impl="torch")
     assert out.shape == (1, 1, 4, 640)
+
+
+def require_hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon sparse MLA decode is for Hopper (sm_90)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [{}, {"splits": 3}, {"BLOCK_N": 32, "stages": 3}, {"prefetch": 0}])
+@pytest.mark.parametrize("batch,s_q,heads", [(8, 2, 12), (8, 1, 40), (8, 2, 64), (4, 1, 128)])
+def test_gpu_gluon_kernel_matches_reference(config, batch, s_q, heads):
+    """The Gluon kernel forced, against the reference: -1 scattered, a row with none, slots past the
+    pool, a partial last tile (top-k 1000), padded heads (12 and 40 of 64), two head blocks, splits;
+    the pool untouched."""
+    require_hopper()
+    fmt = MlaEntryFormat.of("fp8_ds_mla", 512, 64)
+    raw, pages = _k31_gpu_pool()
+    before = raw.clone()
+    q = make_queries(batch, s_q, heads, fmt, "cuda")
+    idx = random_indices(batch, s_q, 1000, 2048 * 64, "cuda", none_every=11)
+    idx[0, 0] = -1
+    idx[-1, -1, 600:] = 2048 * 64 + 5
+    ref = run(q, pages, idx, 576 ** -0.5, "torch")
+    assert_close_to_reference(*launch(q, pages, idx, 576 ** -0.5, fmt, None, {"kernel": "gluon", **config}), *ref)
+    assert torch.equal(raw, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [64, 128])
+def test_gpu_triton_kernel_where_gluon_is_the_default(heads):
+    """The Triton kernel forced at 64 and 128 heads on 656-B entries (Hopper runs Gluon there by default)."""
+    fmt = MlaEntryFormat.of("fp8_ds_mla", 512, 64)
+    raw, pages = _k31_gpu_pool()
+    q = make_queries(32, 2, heads, fmt, "cuda")
+    idx = random_indices(32, 2, 2048, 2048 * 64, "cuda")
+    ref = run(q, pages, idx, 576 ** -0.5, "torch")
+    assert_close_to_reference(*launch(q, pages, idx, 576 ** -0.5, fmt, None, {"kernel": "triton"}), *ref)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_choice():
+    from dsacache.ops.sparse_mla.launch import decode_kernel
+
+    require_hopper()
+    ds_mla = MlaEntryFormat.of("fp8_ds_mla", 512, 64)
+    _, pages = _k31_gpu_pool()
+    q12, q40, q128 = (make_queries(1, 1, h, ds_mla, "cuda") for h in (12, 40, 128))
+    assert [decode_kernel(q, pages, ds_mla) for q in (q12, q40, q128)] == ["triton", "gluon", "gluon"]
+    assert decode_kernel(q12, pages, ds_mla, {"kernel": "gluon"}) == "gluon"
+    assert decode_kernel(q128, pages, ds_mla, {"kernel": "triton"}) == "triton"
+    bf16 = MlaEntryFormat.of("bfloat16", 512, 64)
+    _, bf16_pages = _gpu_pool(1, bf16)
+    assert decode_kernel(make_queries(1, 1, 64, bf16, "cuda"), bf16_pages, bf16) == "triton"
+    with pytest.raises(ValueError, match="Gluon"):
+        decode_kernel(make_queries(1, 1, 64, bf16, "cuda"), bf16_pages, bf16, {"kernel": "gluon"})

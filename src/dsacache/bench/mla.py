@@ -8,7 +8,8 @@ against the PyTorch reference first and not timed if it disagrees.
 Reported: time a call (CUDA-graph replay of a window of back-to-back calls over rotating index
 sets, median of the windows), the bytes a call must move (the entries gathered, indices, queries,
 out and lse) and the GB/s that makes against the copy ceiling, and TFLOP/s counting
-``2 * H * topk * (576 + 512)`` a query row. ``build_pool`` and ``build_inputs`` make the inputs,
+``2 * H * topk * (576 + 512)`` a query row, and the kernel that ran (Gluon on Hopper from 33
+heads, Triton otherwise; ``--sweep`` also times the other). ``build_pool`` and ``build_inputs`` make the inputs,
 so another kernel can be timed on the very same ones.
 """
 
@@ -141,14 +142,26 @@ def flops(batch: int, s_q: int, heads: int, topk: int) -> int:
     return 2 * batch * s_q * heads * topk * (FMT.cached_dim + KV_LORA_RANK)
 
 
-#: Launch settings ``--sweep`` times beside the defaults (``launch.CONFIGS`` fields).
-SWEEP = [{"BLOCK_N": 16}, {"BLOCK_N": 32}, {"BLOCK_N": 64}, {"num_stages": 3}, {"num_stages": 6},
-         {"num_warps": 4}, {"splits": 1}, {"splits": 2}, {"splits": 4}, {"BH": 32}]
+#: Launch settings ``--sweep`` times beside the defaults: the Triton kernel's (``launch.CONFIGS`` fields)
+#: and the Gluon kernel's (``launch.GLUON_CONFIG``; on Hopper only).
+SWEEP = [{"kernel": "triton", **settings} for settings in (
+    {}, {"BLOCK_N": 16}, {"BLOCK_N": 32}, {"BLOCK_N": 64}, {"num_stages": 3}, {"num_stages": 6}, {"num_warps": 4},
+    {"splits": 1}, {"splits": 2}, {"splits": 4}, {"BH": 32})]
+GLUON_SWEEP = [{"kernel": "gluon", **settings} for settings in (
+    {}, {"BLOCK_N": 32, "stages": 3}, {"BLOCK_N": 32, "stages": 4}, {"prefetch": 0}, {"prefetch": 1},
+    {"prefetch": 4}, {"splits": 1}, {"splits": 2}, {"splits": 4})]
 
 
 def run_sweep(inputs: MlaInputs, pages: torch.Tensor, ceiling: float, nbytes: int, work: int) -> None:
+    from dsacache.ops.sparse_mla.launch import decode_kernel
+
     shape = "x".join(str(d) for d in inputs.q.shape[:3])
-    for settings in SWEEP:
+    try:
+        decode_kernel(inputs.q, pages, FMT, {"kernel": "gluon"})
+        sweep = SWEEP + GLUON_SWEEP
+    except ValueError:  # not a Hopper GPU
+        sweep = SWEEP
+    for settings in sweep:
         try:
             check(inputs, pages, settings)
             ok = ""
@@ -172,7 +185,7 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
-    from dsacache.ops.sparse_mla.launch import decode_config
+    from dsacache.ops.sparse_mla.launch import decode_config, decode_kernel
 
     pages = build_pool(args.pool_tokens, torch.device("cuda"))
     rows: list[BenchRow] = []
@@ -182,10 +195,11 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
         err = check(inputs, pages)
         ms = time_window(inputs, pages)
         nbytes, work = moved_bytes(batch, s_q, heads, args.topk), flops(batch, s_q, heads, args.topk)
-        cfg = decode_config(inputs.q, args.topk)
+        kernel = decode_kernel(inputs.q, pages, FMT)
+        cfg = decode_config(inputs.q, args.topk, kernel=kernel)
         eager_ms = time_cuda(lambda: _triton_call(inputs, pages, inputs.indices))
         extra = {"tflops": f"{work / (ms * 1e-3) / 1e12:.0f}", "out_err": f"{err:.1e}", "eager_us": f"{eager_ms * 1e3:.1f}",
-                 "config": f"BH={cfg['BH']},BLOCK_N={cfg['BLOCK_N']},splits={cfg['splits']}"}
+                 "config": f"{kernel},BH={cfg['BH']},BLOCK_N={cfg['BLOCK_N']},splits={cfg['splits']}"}
         row = BenchRow("sparse_mla_decode", f"fp8_ds_mla B={batch} s_q={s_q} H={heads} topk={args.topk}", ms,
                        nbytes, args.ceiling_gbps, extra)
         print(row.line(), flush=True)

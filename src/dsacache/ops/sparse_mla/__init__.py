@@ -5,9 +5,10 @@ and reads the layer's MLA pages in place: ``fp8_ds_mla`` (656 B at 512 + 64, 528
 ``bfloat16`` and ``fp8`` entries, any page stride. Prefill uses it with one row a token.
 
 Files: ``api.py`` the public function; ``naive.py`` the PyTorch reference; ``launch.py`` picks
-the settings (head block, slot step, warps, stages, split count) and launches;
+the kernel and its settings (head block, slot step, warps, stages, split count) and launches;
 ``sparse_attention.py`` the Triton kernel (one query row, one head block, one split of its
-slots); ``merge_splits.py`` the Triton kernel that merges split partial outputs by LSE.
+slots); ``decode_gluon.py`` the warp-specialized Hopper kernel for 656-B entries and 33-128
+heads (same grid); ``merge_splits.py`` the Triton kernel that merges split partial outputs by LSE.
 """
 
 from dsacache.ops.sparse_mla.api import sparse_mla_decode

@@ -1,20 +1,26 @@
-"""Which settings the sparse MLA decode kernels run with, and their launch.
+"""Which kernel and settings the sparse MLA decode runs with, and their launch.
 
-One program attends one query row with one block of ``BH`` heads over one split of its
-top-k slots (``sparse_attention``); when a row's slots are split over several programs,
-``merge_splits`` combines their partial outputs by LSE. The head block is the smallest of
-16, 32, 64 that holds the heads (``tl.dot`` needs 16 rows; 12 heads pay for 16, not 64);
-more than 64 heads take several blocks. ``config`` on :func:`launch_sparse_mla_decode`
-overrides any setting for one call (tests, ``dsacache.bench mla --sweep``).
+Two kernels, one grid: one program attends one query row with one block of ``BH`` heads over
+one split of its top-k slots; when a row's slots are split over several programs,
+``merge_splits`` combines their partial outputs by LSE. The Triton kernel
+(``sparse_attention``) runs everywhere; its head block is the smallest of 16, 32, 64 that
+holds the heads (``tl.dot`` needs 16 rows; 12 heads pay for 16, not 64), more than 64 heads
+take several blocks. On Hopper, 656-B ``fp8_ds_mla`` entries with more than 32 heads run the
+warp-specialized Gluon kernel (``decode_gluon``; 64 heads a program). :func:`decode_kernel`
+says which one a call takes. ``config`` on :func:`launch_sparse_mla_decode` overrides any
+setting for one call (tests, ``dsacache.bench mla --sweep``); ``config["kernel"]`` forces
+``"triton"`` or ``"gluon"``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 
+from dsacache.dispatch import interpreting
 from dsacache.formats.mla_entry import MlaEntryFormat
 from dsacache.formats.sizes import DS_MLA_TILE, KERNEL_PAGE_SIZE
 from dsacache.ops.sparse_mla.merge_splits import merge_splits_kernel
@@ -37,6 +43,18 @@ CONFIGS = {
     # slots a step (32 spill 60 B).
     64: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
 }
+#: The Gluon kernel's settings: one program an SM (12 warps, 225 KB of shared memory), 64 heads a program.
+GLUON_CONFIG = {
+    "BLOCK_N": 64,         # slots a tile: a 64-wide score wgmma reads the queries once per 64 keys (32: smem-bound)
+    "stages": 2,           # tiles in the ring: 2 x 72 KB beside 72 KB of queries fill the 227 KB a block may take
+    "prefetch": 2,         # tiles ahead whose entries are bulk-prefetched into L2, so the gathers wait on L2
+    "gather_regs": 120,    # the gather warpgroup's registers: 32 entries at a time in flight, no spills
+    "value_regs": 176,     # the value warpgroup's: its [64, 256] fp32 accumulator (128) and the products
+    "maxnreg": 168,        # 12 warps x 168 = the register file; the score warpgroup gets the rest (208)
+    "programs_per_sm": 1,
+}
+#: Slot counts a Gluon tile may take (its gatherer works 32 slots at a time).
+GLUON_BLOCK_N = (32, 64)
 #: Latent chunks the kernel holds an accumulator for, and the rank they cover at 128 values a chunk.
 MAX_CHUNKS = 4
 MAX_RANK = MAX_CHUNKS * DS_MLA_TILE
@@ -68,16 +86,59 @@ def choose_splits(rows: int, head_blocks: int, topk: int, block_n: int, slots_on
     return min(range(1, min(MAX_SPLITS, steps) + 1), key=lambda s: (cost(s), s))
 
 
-def decode_config(q: torch.Tensor, topk: int, config: dict | None = None) -> dict:
-    """The settings a call runs with: head block, its CONFIGS entry, the split count, overrides."""
+@functools.lru_cache(maxsize=None)
+def _gluon_available() -> bool:
+    if interpreting() or torch.version.hip is not None:
+        return False
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gluon_supports(q: torch.Tensor, pages: torch.Tensor, fmt: MlaEntryFormat) -> bool:
+    """What the Gluon kernel needs: a Hopper GPU, 656-B fp8_ds_mla entries (512 + 64), 16-byte aligned
+    pages (its 16-byte gathers and L2 prefetches). It takes 64 heads a program, fewer padded."""
+    return (q.is_cuda and _gluon_available() and torch.cuda.get_device_capability(q.device)[0] == 9
+            and fmt.kind == "fp8_ds_mla" and (fmt.kv_lora_rank, fmt.rope_dim) == (512, 64)
+            and pages.data_ptr() % 16 == 0 and pages.stride(0) % 16 == 0)
+
+
+def decode_kernel(q: torch.Tensor, pages: torch.Tensor, fmt: MlaEntryFormat, config: dict | None = None) -> str:
+    """Which kernel :func:`launch_sparse_mla_decode` runs: "gluon" where it is supported and there are more
+    than 32 heads (with fewer, its padding to 64 heads multiplies more than the memory-bound Triton kernel
+    does), "triton" elsewhere; ``config["kernel"]`` forces one."""
+    choice = (config or {}).get("kernel", "auto")
+    if choice not in ("auto", "triton", "gluon"):
+        raise ValueError(f"config kernel={choice!r}; allowed: auto, triton, gluon")
+    supported = _gluon_supports(q, pages, fmt)
+    if choice == "gluon" and not supported:
+        raise ValueError("the Gluon sparse MLA decode needs a Hopper GPU and 656-B fp8_ds_mla pages (512 + 64, "
+                         "16-byte aligned)")
+    if choice == "auto":
+        return "gluon" if supported and q.shape[2] > 32 else "triton"
+    return choice
+
+
+def decode_config(q: torch.Tensor, topk: int, config: dict | None = None, kernel: str = "triton") -> dict:
+    """The settings a call of ``kernel`` runs with: head block, its defaults, the split count, overrides."""
     num_heads = q.shape[2]
-    bh = (config or {}).get("BH", head_block(num_heads))
-    cfg = {"BH": bh, **CONFIGS[bh], **(config or {})}
+    config = {k: v for k, v in (config or {}).items() if k != "kernel"}
+    if kernel == "gluon":
+        cfg = {"BH": 64, **GLUON_CONFIG, **config}
+        if cfg["BH"] != 64 or cfg["BLOCK_N"] not in GLUON_BLOCK_N:
+            raise ValueError(f"the Gluon kernel takes BH 64 and BLOCK_N in {GLUON_BLOCK_N}, got {cfg['BH']}, "
+                             f"{cfg['BLOCK_N']}")
+    else:
+        bh = config.get("BH", head_block(num_heads))
+        cfg = {"BH": bh, **CONFIGS[bh], **config}
+    cfg["kernel"] = kernel
     if "splits" not in cfg:
         sms = sm_count(q.device)
         slots = None if sms is None else sms * cfg["programs_per_sm"]
-        cfg["splits"] = choose_splits(q.shape[0] * q.shape[1], triton.cdiv(num_heads, bh), topk, cfg["BLOCK_N"],
-                                      slots)
+        cfg["splits"] = choose_splits(q.shape[0] * q.shape[1], triton.cdiv(num_heads, cfg["BH"]), topk,
+                                      cfg["BLOCK_N"], slots)
     return cfg
 
 
@@ -94,7 +155,8 @@ def launch_sparse_mla_decode(q: torch.Tensor, pages: torch.Tensor, indices: torc
     check_launch(pages.stride(1) == fmt.entry_bytes and pages.stride(2) == 1, "MLA pages are [P, 64, entry] rows")
     q = q if q.stride(3) == 1 else q.contiguous()
     indices = indices if indices.stride(2) == 1 else indices.contiguous()
-    cfg = decode_config(q, topk, config)
+    kernel = decode_kernel(q, pages, fmt, config)
+    cfg = decode_config(q, topk, config, kernel)
     bh, block_n = cfg["BH"], cfg["BLOCK_N"]
     keys_per_split = triton.cdiv(triton.cdiv(topk, cfg["splits"]), block_n) * block_n
     splits = triton.cdiv(topk, keys_per_split)
@@ -105,13 +167,23 @@ def launch_sparse_mla_decode(q: torch.Tensor, pages: torch.Tensor, indices: torc
         dest, dest_lse = part, part_lse
     else:
         dest, dest_lse = out, lse
-    sparse_mla_attention_kernel[(rows * head_blocks * splits,)](
-        q, pages, indices, k_scale if k_scale is not None else lse, dest, dest_lse,
-        num_heads, s_q, topk, keys_per_split, splits, pages.shape[0] * KERNEL_PAGE_SIZE, pages.stride(0),
-        q.stride(0), q.stride(1), q.stride(2), indices.stride(0), indices.stride(1),
-        softmax_scale * math.log2(math.e),
-        **attention_constants(fmt, cfg, splits > 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    args = (num_heads, s_q, topk, keys_per_split, splits, pages.shape[0] * KERNEL_PAGE_SIZE, pages.stride(0),
+            q.stride(0), q.stride(1), q.stride(2), indices.stride(0), indices.stride(1),
+            softmax_scale * math.log2(math.e))
+    grid = (rows * head_blocks * splits,)
+    if kernel == "gluon":
+        from dsacache.ops.sparse_mla.decode_gluon import sparse_mla_decode_gluon_kernel
+
+        sparse_mla_decode_gluon_kernel[grid](
+            q, pages, indices, dest, dest_lse, *args, SPLIT=splits > 1, BLOCK_N=block_n, STAGES=cfg["stages"],
+            PREFETCH=cfg["prefetch"], GATHER_REGS=cfg["gather_regs"], VALUE_REGS=cfg["value_regs"],
+            num_warps=4, maxnreg=cfg["maxnreg"],
+        )
+    else:
+        sparse_mla_attention_kernel[grid](
+            q, pages, indices, k_scale if k_scale is not None else lse, dest, dest_lse, *args,
+            **attention_constants(fmt, cfg, splits > 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     if splits > 1:
         merge_splits_kernel[(rows, triton.cdiv(num_heads, MERGE_HEADS))](
             part, part_lse, out, lse, num_heads, splits, **merge_constants(fmt), num_warps=MERGE_WARPS,

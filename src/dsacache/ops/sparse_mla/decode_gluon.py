@@ -1,0 +1,350 @@
+"""Sparse MLA decode as a warp-specialized Gluon kernel for Hopper: 64 query heads of one row a
+program, 656-B ``fp8_ds_mla`` entries (kv_lora_rank 512 + rope 64), wgmma throughout.
+
+Three partitions of one warpgroup each share a program's shared memory:
+
+* the gatherer (a worker) reads tile ``t``'s 64 entries straight into registers (the entries of
+  the tiles ``PREFETCH`` ahead are bulk-prefetched into L2, so these loads wait on L2, not HBM),
+  dequantizes the latent values (``e4m3 * tile scale``, rounded to bf16 once) into the tile's
+  stage of a two-stage ring, copies the bf16 rope part beside them and records which slots are
+  valid (an additive 0 / -inf score bias);
+* the score partition (the default one) multiplies the queries (in shared memory for the whole
+  program) with the tile's keys, ``S = q @ k^T`` (64 x 64, K = 576, five wgmmas), runs the online
+  softmax in base 2 on S in registers, hands the bf16 weights and the rescale factors to the
+  value partition through shared memory and accumulates value chunks 0-1 (``out[:, :256]``) with
+  the weights as the wgmma's register operand;
+* the value partition (a worker) accumulates value chunks 2-3 (``out[:, 256:]``) with the same
+  weights read from shared memory.
+
+A stage of the ring is free again once both accumulating partitions are past their products on
+it. The value partition gets the final ``1 / l`` the same way as the per-tile factors. With
+``SPLIT`` a program writes its normalized fp32 partial and base-2 LSE, merged by the Triton
+``merge_splits_kernel``, as the Triton kernel's are. Keys are rounded to bf16 once (the Triton
+kernel keeps them exact and scales the scores instead: that needs an accumulator a chunk, more
+registers than a warpgroup beside the [64, 256] value accumulator has). ``launch.py`` says
+when this kernel runs.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+HEADS = gl.constexpr(64)        # query heads a program: the wgmma M of one warpgroup
+GATHER_ROWS = gl.constexpr(32)  # slots the gatherer holds in registers at a time
+CHUNK = gl.constexpr(128)       # latent values a chunk (one fp8_ds_mla scale tile)
+ROPE = gl.constexpr(64)
+RANK = gl.constexpr(512)
+ENTRY = gl.constexpr(656)
+LN2 = gl.constexpr(0.6931471805599453)
+
+# Bulk-prefetch the 656-B entry at $1 into L2 when $2 is non-zero.
+_PREFETCH_ASM = gl.constexpr("""{
+.reg .pred p;
+setp.ne.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], 656;
+mov.b32 $0, 0;
+}""")
+
+
+@gluon.constexpr_function
+def _score_layout(block_n):
+    """S [64 heads, block_n slots] fp32: one warpgroup, N = block_n a wgmma."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16])
+
+
+@gluon.constexpr_function
+def _value_layout():
+    """A value chunk's accumulator [64 heads, 128] fp32: one warpgroup, N = 128 a wgmma."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+
+
+@gluon.constexpr_function
+def _chunk_load_layout():
+    """[32 slots, 128 bytes] of a chunk: 16 bytes a thread, 8 threads a row, two rows a thread."""
+    return gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _rope_load_layout():
+    """[32 slots, 64 bf16] of the rope part: 8 values (16 bytes) a thread, 8 threads a row."""
+    return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _slot_layout():
+    return gl.BlockedLayout([1], [32], [4], [0])
+
+
+@gluon.jit
+def _entries(idx_row, start, stop, first, num_slots, pages_ptr, page_stride, ROWS: gl.constexpr,
+             LAYOUT: gl.constexpr):
+    """(byte pointers [ROWS] of the entries of slots ``first + i`` of the split, valid [ROWS]) in ``LAYOUT``:
+    a slot past the split, ``< 0`` or ``>= num_slots`` is invalid and points at entry 0, never read."""
+    cols = start + first + gl.arange(0, ROWS, layout=LAYOUT)
+    slot = gl.load(idx_row + cols, mask=cols < stop, other=-1)
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = gl.where(valid, slot, 0)
+    return pages_ptr + (slot // 64).to(gl.int64) * page_stride + (slot % 64) * ENTRY, valid
+
+
+@gluon.jit
+def _prefetch(idx_row, start, stop, t, num_slots, pages_ptr, page_stride, BLOCK_N: gl.constexpr):
+    entry, valid = _entries(idx_row, start, stop, t * BLOCK_N, num_slots, pages_ptr, page_stride, BLOCK_N,
+                            _slot_layout())
+    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [entry, valid.to(gl.int32)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dequantized_chunk(entry, valid, c: gl.constexpr):
+    """Chunk ``c`` of the latent values of 32 entries [32, 128] as bf16: ``e4m3 * scale`` rounded once
+    (0 where invalid)."""
+    L: gl.constexpr = _chunk_load_layout()
+    d = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, L))
+    codes = gl.load(entry[:, None] + (c * CHUNK + d)[None, :], mask=valid[:, None], other=0)
+    scale = gl.load((entry + RANK).to(gl.pointer_type(gl.float32)) + c, mask=valid, other=0.0)
+    values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+    return values.to(gl.bfloat16)
+
+
+@gluon.jit
+def _gather_rows(k_smem, rope_smem, bias_smem, s, row0, first, idx_row, start, stop, num_slots, pages_ptr,
+                 page_stride):
+    """Rows ``row0 .. row0 + 31`` of stage ``s``: the dequantized latents, the rope part, the score bias."""
+    CL: gl.constexpr = _chunk_load_layout()
+    RL: gl.constexpr = _rope_load_layout()
+    entry, valid = _entries(idx_row, start, stop, first, num_slots, pages_ptr, page_stride, GATHER_ROWS,
+                            gl.SliceLayout(1, CL))
+    r_entry, r_valid = _entries(idx_row, start, stop, first, num_slots, pages_ptr, page_stride, GATHER_ROWS,
+                                gl.SliceLayout(1, RL))
+    e = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
+    rope = gl.load((r_entry + (RANK + 16)).to(gl.pointer_type(gl.bfloat16))[:, None] + e[None, :],
+                   mask=r_valid[:, None], other=0.0)
+    for c in gl.static_range(4):
+        k_smem.index(4 * s + c).slice(row0, GATHER_ROWS).store(_dequantized_chunk(entry, valid, c))
+    rope_smem.index(s).slice(row0, GATHER_ROWS).store(rope)
+    bias_smem.index(s).slice(row0, GATHER_ROWS).store(gl.where(valid, 0.0, float("-inf")))
+
+
+@gluon.jit
+def _gather_partition(k_smem, rope_smem, bias_smem, k_ready, k_empty, idx_row, start, stop, n_tiles, num_slots,
+                      pages_ptr, page_stride, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      PREFETCH: gl.constexpr):
+    for ahead in gl.static_range(1, PREFETCH):
+        _prefetch(idx_row, start, stop, ahead, num_slots, pages_ptr, page_stride, BLOCK_N)
+    for t in range(n_tiles):
+        s = t % STAGES
+        if PREFETCH > 0:
+            _prefetch(idx_row, start, stop, t + PREFETCH, num_slots, pages_ptr, page_stride, BLOCK_N)
+        # Both accumulating partitions are done with this stage's previous tile.
+        mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
+        # 32 rows at a time: a whole 64-slot tile in registers would not fit the partition's budget.
+        for g in gl.static_range(BLOCK_N // GATHER_ROWS):
+            _gather_rows(k_smem, rope_smem, bias_smem, s, g * GATHER_ROWS, t * BLOCK_N + g * GATHER_ROWS, idx_row,
+                         start, stop, num_slots, pages_ptr, page_stride)
+        fence_async_shared()
+        mbarrier.arrive(k_ready.index(s), count=1)
+
+
+@gluon.jit
+def _store_rows(acc, inv, rows_out, h_ok, col0, OUT_BF16: gl.constexpr):
+    """Store ``acc * inv`` [64 heads, 128] at columns ``col0 + j`` of each head's row (``rows_out`` [64])."""
+    VL: gl.constexpr = _value_layout()
+    j = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, VL))
+    value = acc * inv[:, None]
+    ptrs = rows_out[:, None] + (col0 + j)[None, :]
+    if OUT_BF16:
+        gl.store(ptrs, value.to(gl.bfloat16), mask=h_ok[:, None])
+    else:
+        gl.store(ptrs, value, mask=h_ok[:, None])
+
+
+@gluon.jit
+def _head_rows(out_ptr, lse_ptr, row, split, hb, num_heads, num_splits, SPLIT: gl.constexpr, LAYOUT: gl.constexpr):
+    """(output row pointers [64], LSE pointers [64], which heads exist) of this program's heads in ``LAYOUT``:
+    rows of ``out`` / ``lse``, or with SPLIT of the fp32 partials [rows, num_splits, H, 512] and their LSEs."""
+    h = hb * HEADS + gl.arange(0, HEADS, layout=LAYOUT)
+    if SPLIT:
+        base = (row.to(gl.int64) * num_splits + split) * num_heads + h
+    else:
+        base = row.to(gl.int64) * num_heads + h
+    return out_ptr + base * RANK, lse_ptr + base, h < num_heads
+
+
+@gluon.jit
+def _value_partition(k_smem, p_smem, factor_smem, k_ready, k_empty, p_ready, p_empty, n_tiles, out_ptr, lse_ptr,
+                     row, split, hb, num_heads, num_splits, SPLIT: gl.constexpr, STAGES: gl.constexpr):
+    VL: gl.constexpr = _value_layout()
+    rows: gl.constexpr = gl.SliceLayout(1, VL)
+    acc2 = gl.zeros([HEADS, CHUNK], gl.float32, VL)
+    acc3 = gl.zeros([HEADS, CHUNK], gl.float32, VL)
+    for t in range(n_tiles):
+        s = t % STAGES
+        mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
+        mbarrier.wait(p_ready, t & 1)
+        alpha = factor_smem.load(rows)
+        acc2 = warpgroup_mma(p_smem, k_smem.index(4 * s + 2), acc2 * alpha[:, None], is_async=True)
+        acc3 = warpgroup_mma(p_smem, k_smem.index(4 * s + 3), acc3 * alpha[:, None], is_async=True)
+        acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2, acc3))
+        mbarrier.arrive(p_empty, count=1)
+        mbarrier.arrive(k_empty.index(s), count=1)
+    mbarrier.wait(p_ready, n_tiles & 1)  # the final 1 / l
+    inv = factor_smem.load(rows)
+    rows_out, _, h_ok = _head_rows(out_ptr, lse_ptr, row, split, hb, num_heads, num_splits, SPLIT, rows)
+    _store_rows(acc2, inv, rows_out, h_ok, 2 * CHUNK, not SPLIT)
+    _store_rows(acc3, inv, rows_out, h_ok, 3 * CHUNK, not SPLIT)
+
+
+@gluon.jit
+def _score_partition(q_smem, q_rope_smem, k_smem, rope_smem, bias_smem, p_smem, factor_smem, k_ready, k_empty,
+                     p_ready, p_empty, n_tiles, qk_scale, out_ptr, lse_ptr, row, split, hb, num_heads, num_splits,
+                     SPLIT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    SL: gl.constexpr = _score_layout(BLOCK_N)
+    VL: gl.constexpr = _value_layout()
+    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=VL, k_width=2)
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
+    l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, SL))
+    acc0 = warpgroup_mma_init(gl.zeros([HEADS, CHUNK], gl.float32, VL))
+    acc1 = warpgroup_mma_init(gl.zeros([HEADS, CHUNK], gl.float32, VL))
+    zero = gl.zeros([HEADS, BLOCK_N], gl.float32, SL)
+    for t in range(n_tiles):
+        s = t % STAGES
+        mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
+        sc = warpgroup_mma(q_smem.index(0), k_smem.index(4 * s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_smem.index(1), k_smem.index(4 * s + 1).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_smem.index(2), k_smem.index(4 * s + 2).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_smem.index(3), k_smem.index(4 * s + 3).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_rope_smem, rope_smem.index(s).permute((1, 0)), sc, is_async=True)
+        # The previous tile's value products were issued before these five score products: waiting
+        # for all but five finishes them (while the scores run), and frees their stage.
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=5, deps=(acc0, acc1))
+        mbarrier.arrive(k_empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+        bias = bias_smem.index(s).load(gl.SliceLayout(0, SL))
+        sc = sc * qk_scale + bias[None, :]
+
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep p = 0, not NaN
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = p.to(gl.bfloat16)
+
+        mbarrier.wait(p_empty, (t & 1) ^ 1)  # the value partition is past the previous weights
+        p_smem.store(p16)
+        factor_smem.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+
+        a = gl.convert_layout(p16, P_OPERAND, assert_trivial=True)
+        alpha_v = gl.convert_layout(alpha, gl.SliceLayout(1, VL), assert_trivial=True)
+        acc0 = warpgroup_mma(a, k_smem.index(4 * s), acc0 * alpha_v[:, None], is_async=True)
+        acc1 = warpgroup_mma(a, k_smem.index(4 * s + 1), acc1 * alpha_v[:, None], is_async=True)
+    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+    mbarrier.arrive(k_empty.index((n_tiles + STAGES - 1) % STAGES), count=1, pred=n_tiles > 0)
+
+    # l >= 1 once a slot is valid (the largest score adds exp2(0)); l = 0 only for none at all.
+    seen = l_i > 0
+    l_safe = gl.maximum(l_i, 1.0)
+    inv = gl.where(seen, 1.0 / l_safe, 0.0)
+    lse2 = gl.where(seen, m_i + gl.log2(l_safe), float("-inf"))  # base 2: what the merge of splits reads
+    mbarrier.wait(p_empty, (n_tiles & 1) ^ 1)
+    factor_smem.store(inv)
+    mbarrier.arrive(p_ready, count=1)
+
+    rows: gl.constexpr = gl.SliceLayout(1, VL)
+    rows_out, lse_at, h_ok = _head_rows(out_ptr, lse_ptr, row, split, hb, num_heads, num_splits, SPLIT, rows)
+    inv_v = gl.convert_layout(inv, rows)
+    _store_rows(acc0, inv_v, rows_out, h_ok, 0, not SPLIT)
+    _store_rows(acc1, inv_v, rows_out, h_ok, CHUNK, not SPLIT)
+    if SPLIT:
+        gl.store(lse_at, gl.convert_layout(lse2, rows), mask=h_ok)
+    else:
+        gl.store(lse_at, gl.convert_layout(lse2 * LN2, rows), mask=h_ok)
+
+
+@gluon.jit
+def _query_chunk(q_row, h_ok, col0, WIDTH: gl.constexpr):
+    """Queries [64 heads, WIDTH] at columns ``col0 + j`` as the A operand of the score product, in shared memory."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    j = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
+    rows = gl.convert_layout(q_row, gl.SliceLayout(1, L))
+    ok = gl.convert_layout(h_ok, gl.SliceLayout(1, L))
+    return gl.load(rows[:, None] + (col0 + j)[None, :], mask=ok[:, None], other=0.0)
+
+
+@gluon.jit
+def sparse_mla_decode_gluon_kernel(
+    q_ptr,          # [B, s_q, H, 576] bf16, strides (stride_qb, stride_qs, stride_qh, 1)
+    pages_ptr,      # uint8 [num_pages, 64, 656], page stride page_stride (16-byte aligned)
+    idx_ptr,        # [B, s_q, topk] int32 slots, strides (stride_ib, stride_is, 1); -1 = none
+    out_ptr,        # SPLIT: fp32 [rows, num_splits, H, 512]; else bf16 [rows, H, 512] (contiguous)
+    lse_ptr,        # SPLIT: fp32 [rows, num_splits, H] base 2; else fp32 [rows, H] natural log
+    num_heads, s_q, topk, keys_per_split, num_splits, num_slots, page_stride,
+    stride_qb, stride_qs, stride_qh, stride_ib, stride_is,
+    qk_scale,       # softmax_scale * log2(e)
+    SPLIT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr,
+    GATHER_REGS: gl.constexpr, VALUE_REGS: gl.constexpr,
+):
+    # Head blocks vary fastest, so the programs that read one row's slots run side by side (L2).
+    pid = gl.program_id(0)
+    num_hb = gl.cdiv(num_heads, HEADS)
+    hb = pid % num_hb
+    split = (pid // num_hb) % num_splits
+    row = pid // (num_hb * num_splits)
+    b = row // s_q
+    sq = row % s_q
+    start = split * keys_per_split
+    stop = gl.minimum(start + keys_per_split, topk)
+    n_tiles = gl.cdiv(stop - start, BLOCK_N)
+    idx_row = idx_ptr + b.to(gl.int64) * stride_ib + sq.to(gl.int64) * stride_is
+
+    heads: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+    h = hb * HEADS + gl.arange(0, HEADS, layout=heads)
+    h_ok = h < num_heads
+    q_row = q_ptr + b.to(gl.int64) * stride_qb + sq.to(gl.int64) * stride_qs + h.to(gl.int64) * stride_qh
+    # One layout for every bf16 operand tile (rows of 128 or 256 bytes, 128-byte swizzle); a leading
+    # ring or chunk index is outside it.
+    wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HEADS, CHUNK], wide)
+    for c in gl.static_range(4):
+        q_smem.index(c).store(_query_chunk(q_row, h_ok, c * CHUNK, CHUNK))
+    q_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, ROPE], wide,
+                                            _query_chunk(q_row, h_ok, RANK, ROPE))
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BLOCK_N, CHUNK], wide)
+    rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE], wide)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], gl.bfloat16)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, BLOCK_N], p_layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    bias_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], flat)
+    factor_smem = gl.allocate_shared_memory(gl.float32, [HEADS], flat)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)  # the score and the value partition
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_empty, count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    gl.warp_specialize([
+        (_score_partition, (q_smem, q_rope_smem, k_smem, rope_smem, bias_smem, p_smem, factor_smem, k_ready, k_empty,
+                            p_ready, p_empty, n_tiles, qk_scale, out_ptr, lse_ptr, row, split, hb, num_heads,
+                            num_splits, SPLIT, BLOCK_N, STAGES)),
+        (_gather_partition, (k_smem, rope_smem, bias_smem, k_ready, k_empty, idx_row, start, stop, n_tiles, num_slots,
+                             pages_ptr, page_stride, BLOCK_N, STAGES, PREFETCH)),
+        (_value_partition, (k_smem, p_smem, factor_smem, k_ready, k_empty, p_ready, p_empty, n_tiles, out_ptr, lse_ptr,
+                            row, split, hb, num_heads, num_splits, SPLIT, STAGES)),
+    ], [4, 4], [GATHER_REGS, VALUE_REGS])
