@@ -386,26 +386,28 @@ def build(kernel, signature, constants, aligned, options):
 
 pointers = ["q_ptr", "pages_ptr", "idx_ptr", "k_scale_ptr", "out_ptr", "lse_ptr"]
 strides = ["page_stride", "stride_qb", "stride_qs", "stride_qh", "stride_ib", "stride_is"]
-for kind, rope in (("fp8_ds_mla", 64), ("fp8_ds_mla", 0), ("bfloat16", 64), ("fp8", 64)):
+# Every kind, head block and split at the default settings; the L2 prefetch sweep option on 656-B entries.
+variants = [(kind, rope, bh, split, L.TRITON_PREFETCH) for kind, rope in (("fp8_ds_mla", 64), ("fp8_ds_mla", 0),
+            ("bfloat16", 64), ("fp8", 64)) for bh in (16, 32, 64) for split in (False, True)]
+variants += [("fp8_ds_mla", 64, bh, False, 2) for bh in (16, 32, 64)]
+for kind, rope, bh, split, prefetch in variants:
     fmt = MlaEntryFormat.of(kind, 512, rope)
-    for bh in (16, 32, 64):
-        cfg = {"BH": bh, **L.CONFIGS[bh]}
-        for split in (False, True):
-            signature = dict(q_ptr="*bf16", pages_ptr="*u8", idx_ptr="*i32", k_scale_ptr="*fp32",
-                             out_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32")
-            signature.update({n: "i32" for n in ["num_heads", "s_q", "topk", "keys_per_split", "num_splits",
-                                                 "num_slots"] + strides})
-            signature["qk_scale"] = "fp32"
-            compiled = build(sparse_mla_attention_kernel, signature, L.attention_constants(fmt, cfg, split),
-                             pointers + strides, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-            regs, spilled = usage(compiled)
-            ptx = compiled.asm["ptx"]
-            mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
-            assert mma == ("wgmma" if bh == 64 else "mma.sync"), (kind, bh, mma)
-            assert "cp.async" in ptx, (kind, bh)
-            print(f"{kind}-{fmt.entry_bytes} BH={bh} split={split} BLOCK_N={cfg['BLOCK_N']} regs={regs} "
-                  f"spilled={spilled} smem={compiled.metadata.shared} {mma}")
-            assert spilled == 0, (kind, bh, split, spilled)
+    cfg = {"BH": bh, **L.CONFIGS[bh], "prefetch": prefetch}
+    signature = dict(q_ptr="*bf16", pages_ptr="*u8", idx_ptr="*i32", k_scale_ptr="*fp32",
+                     out_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32")
+    signature.update({n: "i32" for n in ["num_heads", "s_q", "topk", "keys_per_split", "num_splits",
+                                         "num_slots"] + strides})
+    signature["qk_scale"] = "fp32"
+    compiled = build(sparse_mla_attention_kernel, signature, L.attention_constants(fmt, cfg, split),
+                     pointers + strides, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    regs, spilled = usage(compiled)
+    ptx = compiled.asm["ptx"]
+    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+    assert mma == ("wgmma" if bh == 64 else "mma.sync"), (kind, bh, mma)
+    assert "cp.async" in ptx, (kind, bh)
+    print(f"{kind}-{fmt.entry_bytes} BH={bh} split={split} prefetch={prefetch} BLOCK_N={cfg['BLOCK_N']} "
+          f"regs={regs} spilled={spilled} smem={compiled.metadata.shared} {mma}")
+    assert spilled == 0, (kind, bh, split, spilled)
 signature = dict(part_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32", num_heads="i32",
                  num_splits="i32")
 compiled = build(merge_splits_kernel, signature, L.merge_constants(MlaEntryFormat.of("fp8_ds_mla", 512, 64)),
@@ -655,3 +657,16 @@ def test_gpu_kernel_choice():
     assert decode_kernel(make_queries(1, 1, 64, bf16, "cuda"), bf16_pages, bf16) == "triton"
     with pytest.raises(ValueError, match="Gluon"):
         decode_kernel(make_queries(1, 1, 64, bf16, "cuda"), bf16_pages, bf16, {"kernel": "gluon"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,prefetch", [(12, 2), (12, 4), (64, 2)])
+def test_gpu_triton_kernel_with_l2_prefetch(heads, prefetch):
+    """The Triton kernel's L2 prefetch sweep option: the same results (it only warms L2)."""
+    fmt = MlaEntryFormat.of("fp8_ds_mla", 512, 64)
+    raw, pages = _k31_gpu_pool()
+    q = make_queries(64, 1, heads, fmt, "cuda")
+    idx = random_indices(64, 1, 2048, 2048 * 64, "cuda", none_every=5)
+    ref = run(q, pages, idx, 576 ** -0.5, "torch")
+    got = launch(q, pages, idx, 576 ** -0.5, fmt, None, {"kernel": "triton", "prefetch": prefetch})
+    assert_close_to_reference(*got, *ref)

@@ -146,7 +146,7 @@ def flops(batch: int, s_q: int, heads: int, topk: int) -> int:
 #: and the Gluon kernel's (``launch.GLUON_CONFIG``; on Hopper only).
 SWEEP = [{"kernel": "triton", **settings} for settings in (
     {}, {"BLOCK_N": 16}, {"BLOCK_N": 32}, {"BLOCK_N": 64}, {"num_stages": 3}, {"num_stages": 6}, {"num_warps": 4},
-    {"splits": 1}, {"splits": 2}, {"splits": 4}, {"BH": 32})]
+    {"splits": 1}, {"splits": 2}, {"splits": 4}, {"BH": 32}, {"prefetch": 2}, {"prefetch": 4})]
 GLUON_SWEEP = [{"kernel": "gluon", **settings} for settings in (
     {}, {"BLOCK_N": 32, "stages": 3}, {"BLOCK_N": 32, "stages": 4}, {"prefetch": 0}, {"prefetch": 1},
     {"prefetch": 4}, {"splits": 1}, {"splits": 2}, {"splits": 4})]

@@ -55,6 +55,9 @@ GLUON_CONFIG = {
 }
 #: Slot counts a Gluon tile may take (its gatherer works 32 slots at a time).
 GLUON_BLOCK_N = (32, 64)
+#: Steps ahead whose entries the Triton kernel bulk-prefetches into L2 (0: none; a sweep option, not yet
+#: measured against the pipeliner's own two buffers).
+TRITON_PREFETCH = 0
 #: Latent chunks the kernel holds an accumulator for, and the rank they cover at 128 values a chunk.
 MAX_CHUNKS = 4
 MAX_RANK = MAX_CHUNKS * DS_MLA_TILE
@@ -105,6 +108,11 @@ def _gluon_supports(q: torch.Tensor, pages: torch.Tensor, fmt: MlaEntryFormat) -
             and pages.data_ptr() % 16 == 0 and pages.stride(0) % 16 == 0)
 
 
+def _can_prefetch(pages: torch.Tensor) -> bool:
+    """The L2 bulk prefetch needs PTX (not the interpreter) and 16-byte aligned entries (pool pages are)."""
+    return not interpreting() and pages.data_ptr() % 16 == 0 and pages.stride(0) % 16 == 0
+
+
 def decode_kernel(q: torch.Tensor, pages: torch.Tensor, fmt: MlaEntryFormat, config: dict | None = None) -> str:
     """Which kernel :func:`launch_sparse_mla_decode` runs: "gluon" where it is supported and there are more
     than 32 heads (with fewer, its padding to 64 heads multiplies more than the memory-bound Triton kernel
@@ -132,7 +140,7 @@ def decode_config(q: torch.Tensor, topk: int, config: dict | None = None, kernel
                              f"{cfg['BLOCK_N']}")
     else:
         bh = config.get("BH", head_block(num_heads))
-        cfg = {"BH": bh, **CONFIGS[bh], **config}
+        cfg = {"BH": bh, "prefetch": TRITON_PREFETCH, **CONFIGS[bh], **config}
     cfg["kernel"] = kernel
     if "splits" not in cfg:
         sms = sm_count(q.device)
@@ -157,6 +165,8 @@ def launch_sparse_mla_decode(q: torch.Tensor, pages: torch.Tensor, indices: torc
     indices = indices if indices.stride(2) == 1 else indices.contiguous()
     kernel = decode_kernel(q, pages, fmt, config)
     cfg = decode_config(q, topk, config, kernel)
+    if not _can_prefetch(pages):
+        cfg["prefetch"] = 0
     bh, block_n = cfg["BH"], cfg["BLOCK_N"]
     keys_per_split = triton.cdiv(triton.cdiv(topk, cfg["splits"]), block_n) * block_n
     splits = triton.cdiv(topk, keys_per_split)
@@ -194,7 +204,8 @@ def attention_constants(fmt: MlaEntryFormat, cfg: dict, split: bool) -> dict:
     """The compile-time arguments of ``sparse_mla_attention_kernel`` for an entry kind and settings."""
     return dict(RANK=fmt.kv_lora_rank, ROPE=fmt.rope_dim, ENTRY=fmt.entry_bytes, KIND=KINDS[fmt.kind],
                 PAGE=KERNEL_PAGE_SIZE, TILE=DS_MLA_TILE, BH=cfg["BH"], BLOCK_N=cfg["BLOCK_N"],
-                CHUNK=value_chunk(fmt.kv_lora_rank), BLOCK_P=_pow2_at_least_16(fmt.rope_dim), SPLIT=split)
+                CHUNK=value_chunk(fmt.kv_lora_rank), BLOCK_P=_pow2_at_least_16(fmt.rope_dim), SPLIT=split,
+                PREFETCH=cfg.get("prefetch", TRITON_PREFETCH))
 
 
 def value_chunk(kv_lora_rank: int) -> int:

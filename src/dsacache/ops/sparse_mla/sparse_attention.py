@@ -33,6 +33,14 @@ KIND_DS_MLA = tl.constexpr(2)
 #: ln(2): the kernels keep LSEs in base 2, the public ``lse`` is a natural log.
 LN2 = tl.constexpr(0.6931471805599453)
 
+# Bulk-prefetch $3 bytes at $1 into L2 when $2 is non-zero (sm_90; address and size 16-byte multiples).
+_PREFETCH_ASM = tl.constexpr("""{
+.reg .pred p;
+setp.ne.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $3;
+mov.b32 $0, 0;
+}""")
+
 
 @triton.jit
 def _mma(a, b, acc):
@@ -69,6 +77,14 @@ def _entries(idx_row, offs_n, end, num_slots, pages_ptr, page_stride, ENTRY: tl.
     slot = tl.where(valid, slot, 0)
     page = (slot // PAGE).to(tl.int64)
     return pages_ptr + page * page_stride + (slot % PAGE) * ENTRY, valid
+
+
+@triton.jit
+def _prefetch_entries(entry, valid, ENTRY: tl.constexpr):
+    """Start copying the valid entries into L2 (one bulk prefetch an entry, no registers held), so
+    their gathers some steps later wait on L2 and HBM keeps more bytes in flight."""
+    tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r,r", [entry, valid.to(tl.int32), ENTRY + 0 * valid.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -159,7 +175,7 @@ def sparse_mla_attention_kernel(
     qk_scale,       # softmax_scale * log2(e)
     RANK: tl.constexpr, ROPE: tl.constexpr, ENTRY: tl.constexpr, KIND: tl.constexpr, PAGE: tl.constexpr,
     TILE: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_P: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_P: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     NT: tl.constexpr = (RANK + CHUNK - 1) // CHUNK   # latent chunks, 1 to 4
     # Head blocks vary fastest, so the programs that read one row's slots run side by side (L2).
@@ -196,6 +212,10 @@ def sparse_mla_attention_kernel(
     for start in range(loop_bound(begin), loop_bound(end), BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         entry, valid = _entries(idx_row, offs_n, end, num_slots, pages_ptr, page_stride, ENTRY, PAGE)
+        if PREFETCH > 0:
+            ahead, ahead_ok = _entries(idx_row, offs_n + PREFETCH * BLOCK_N, end, num_slots, pages_ptr, page_stride,
+                                       ENTRY, PAGE)
+            _prefetch_entries(ahead, ahead_ok, ENTRY)
         scores = tl.zeros([BH, BLOCK_N], dtype=tl.float32)
         if ROPE > 0:
             scores = _mma(q_rope, tl.trans(_rope_tile(entry, valid, RANK, ROPE, KIND, TILE, BLOCK_P)), scores)
