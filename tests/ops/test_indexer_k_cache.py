@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dsacache.formats.indexer_key import quantize_fp8, quantize_mxfp4
+from dsacache.formats.key_format import IndexerKeyFormat
 from dsacache.ops.indexer_k_cache import (
     dequantize_indexer_keys,
     fused_norm_store_indexer_keys,
@@ -63,7 +64,7 @@ class PackedPool:
         return self.head_dim // 2, self.head_dim // 32
 
     def owned_mask(self, slots):
-        """Bytes of the raw pool that the given slots' entries own (formats.md layout)."""
+        """Bytes of the raw pool that the given slots' entries own (the layout of docs/layout.md)."""
         mask = torch.zeros(self.raw.shape, dtype=torch.bool)
         vb, sb = self.value_scale_bytes()
         slots = torch.as_tensor(slots).cpu().long()
@@ -82,7 +83,7 @@ class PackedPool:
 
     def entries(self, slots):
         """(value bytes ``[n, vb]``, scale bytes ``[n, sb]``) of slots, read from the raw pool by
-        the formats.md layout alone."""
+        the layout of docs/layout.md alone."""
         raw = self.raw.cpu()
         vb, sb = self.value_scale_bytes()
         slots = torch.as_tensor(slots).cpu().long().view(-1, 1)
@@ -228,15 +229,40 @@ def test_reference_layer_norm_matches_torch():
     assert rel_rms_error(out, F.layer_norm(k, (128,), w, b, 1e-6)) < 1e-6
 
 
+def launch_module():
+    """``dsacache.ops.indexer_k_cache.launch`` (imports triton, hence not at the top)."""
+    from dsacache.ops.indexer_k_cache import launch
+
+    return launch
+
+
+def mxfp4(head_dim):
+    return IndexerKeyFormat("mxfp4", head_dim)
+
+
+#: The MXFP4 store paths a test can force: the one-tile kernel (what small batches run), the same
+#: with 64-bit slot math (pools of 2**31 slots or more), and the fused LayerNorm tile loop.
+MXFP4_PATHS = ("tile", "tile_slots64", "loop")
+
+
+def mxfp4_launch(path, monkeypatch):
+    """The ``launch`` argument of ``launch_store`` that runs ``path`` (``tile_slots64``: every pool
+    counts as one of 2**31 slots or more)."""
+    launch = launch_module()
+    if path == "tile_slots64":
+        monkeypatch.setattr(launch, "SLOTS_32BIT", 0)
+    if path == "loop":
+        return launch.StoreLaunch("mxfp4_loop", launch.LOOP_TOKENS_PER_TILE, launch.LOOP_WARPS)
+    return None
+
+
 def mxfp4_store_both(x, device, num_pages=2):
     """Store ``x`` as MXFP4 through the Triton kernel without the norm, and through the reference codec."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
     slots = torch.arange(x.shape[0], device=device)
     tri = PackedPool("mxfp4", x.shape[1], num_pages, device)
-    launch_store(x.to(device), tri.pages, slots, "mxfp4")
+    launch_module().launch_store(x.to(device), tri.pages, slots, mxfp4(x.shape[1]))
     ref = PackedPool("mxfp4", x.shape[1], num_pages, device)
-    naive.store_quantized(x.to(device), ref.pages, slots, "mxfp4")
+    naive.store_quantized(x.to(device), ref.pages, slots, mxfp4(x.shape[1]))
     return slots, tri, ref
 
 
@@ -271,7 +297,7 @@ def test_mxfp4_codes_bit_identical(device):
         values, scale_bytes = tri.raw_entry(t)
         assert torch.equal(values, packed[t]) and torch.equal(scale_bytes, scales[t])
     decoded = dequantize_indexer_keys(packed.to(device), scales.to(device), "mxfp4", impl=impl_for(device))
-    assert torch.equal(decoded.cpu(), naive.dequantize_indexer_keys(packed, scales, "mxfp4"))
+    assert torch.equal(decoded.cpu(), naive.dequantize_indexer_keys(packed, scales, mxfp4(128)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -322,38 +348,36 @@ def e2m1_hard_groups(dtype, scales):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("path", ["tile", "tile_slots64"])
 @pytest.mark.parametrize("dtype,scales", [(torch.bfloat16, (0, -10, 100, -120)), (torch.float16, (0, -10, 10)),
                                           (torch.float32, (0, -10, 100, -120))])
-def test_mxfp4_store_variants_bit_identical(device, variant, dtype, scales):
-    """Each MXFP4 encoder against the reference codec, byte for byte: hand-picked values in
-    every key dtype (bf16 and fp16 take the lean encoder's short-mantissa path) and random keys."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
+def test_mxfp4_quantizer_bit_identical(device, path, dtype, scales, monkeypatch):
+    """The MXFP4 encoder against the reference codec, byte for byte: hand-picked values in every
+    key dtype (bf16 and fp16 take the encoder's short-mantissa path) and random keys."""
     rows = e2m1_hard_groups(dtype, scales)
     x = torch.cat([rows, random_keys(6, 128, dtype, "cpu")]).to(device)
     slots = torch.randperm(3 * PAGE)[: x.shape[0]].to(device)
     tri, ref = PackedPool("mxfp4", 128, 3, device), PackedPool("mxfp4", 128, 3, device)
-    launch_store(x, tri.pages, slots, "mxfp4", mxfp4_variant=variant)
-    naive.store_quantized(x.float(), ref.pages, slots, "mxfp4")
+    launch_module().launch_store(x, tri.pages, slots, mxfp4(128), launch=mxfp4_launch(path, monkeypatch))
+    naive.store_quantized(x.float(), ref.pages, slots, mxfp4(128))
     assert torch.equal(tri.raw, ref.raw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", [0, 1, 2])
-def test_fused_mxfp4_variants_hand_picked(device, variant):
+@pytest.mark.parametrize("path", MXFP4_PATHS)
+def test_fused_mxfp4_paths_hand_picked(device, path, monkeypatch):
     """Hand-picked fp32 LayerNorm outputs (through the bias, k = 0 and weight = -1) reach each
-    fused encoder unchanged and come out as the reference codec's bytes (variant 2 takes bf16
-    keys; biases with inf or above 2**100 take its guarded loop, the others the lean one)."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
+    fused store path unchanged and come out as the reference codec's bytes (the loop takes bf16
+    keys; biases with inf or above 2**100 take its guarded copy, the others the lean one)."""
     rows = e2m1_hard_groups(torch.float32, (0, -10, 100, -120))
     weight = -torch.ones(128, device=device)
-    zeros = torch.zeros(3, 128, device=device, dtype=torch.bfloat16 if variant == 2 else torch.float32)
+    zeros = torch.zeros(3, 128, device=device, dtype=torch.bfloat16 if path == "loop" else torch.float32)
     slots = torch.tensor([0, 70, 5], device=device)
+    launch = mxfp4_launch(path, monkeypatch)
     for bias in rows:
         pool = PackedPool("mxfp4", 128, 2, device)
-        launch_store(zeros, pool.pages, slots, "mxfp4", weight, bias.to(device), 1e-6, mxfp4_variant=variant)
+        launch_module().launch_store(zeros, pool.pages, slots, mxfp4(128), weight, bias.to(device), 1e-6,
+                                     launch=launch)
         packed, scales = quantize_mxfp4(bias)
         for s in slots.tolist():
             values, scale_bytes = pool.raw_entry(s)
@@ -362,48 +386,45 @@ def test_fused_mxfp4_variants_hand_picked(device, variant):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_mxfp4_variants_agree(device):
-    """Random keys and LayerNorm parameters: encoders 0 and 1 store the same bytes (same norm code);
-    the tile loop (2) takes its LayerNorm statistics from the tensor cores, so a code may move by
-    a LayerNorm last bit (~2e-7 of them on 1M random keys), nothing more."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
+def test_fused_mxfp4_paths_agree(device, monkeypatch):
+    """Random keys and LayerNorm parameters: the one-tile kernel stores the same bytes with 32- and
+    64-bit slot math; the tile loop takes its LayerNorm statistics from the tensor cores, so a code
+    may move by a LayerNorm last bit (~2e-7 of them on 1M random keys), nothing more."""
     k = random_keys(20 if device == "cpu" else 4096, 128, torch.bfloat16, device)
     weight, bias = torch.randn(128, device=device), torch.randn(128, device=device) * 0.1
     slots = torch.randperm(k.shape[0] + 8)[: k.shape[0]].to(device)
-    raws = []
-    for variant in (0, 1, 2):
+    raws = {}
+    for path in ("tile", "loop", "tile_slots64"):
         pool = PackedPool("mxfp4", 128, k.shape[0] // PAGE + 2, device)
-        launch_store(k, pool.pages, slots, "mxfp4", weight, bias, 1e-6, mxfp4_variant=variant)
-        raws.append(pool.raw)
+        launch_module().launch_store(k, pool.pages, slots, mxfp4(128), weight, bias, 1e-6,
+                                     launch=mxfp4_launch(path, monkeypatch))
+        raws[path] = pool.raw
         pool.assert_only_slots_written(slots)
-    assert torch.equal(raws[0], raws[1])
-    assert float((raws[2] != raws[1]).float().mean()) <= 1e-4
+    assert torch.equal(raws["tile_slots64"], raws["tile"])
+    assert float((raws["loop"] != raws["tile"]).float().mean()) <= 1e-4
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("moments", [False, True])
 @pytest.mark.parametrize("bias_scale", [0.1, 2.0 ** 120])
-def test_fused_mxfp4_loop_several_tiles_a_program(device, prefetch, moments, bias_scale):
-    """The tile loop (variant 2) with several tiles a program and a partial last tile, with and
-    without prefetch, on its lean path (small bias) and its guarded one (a bias above 2**100):
-    the bytes of variant 1 (with ``moments``, on the lean path, but for rare LayerNorm last bits),
-    skipped slots untouched."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_norm_mxfp4_loop, launch_store
+def test_fused_mxfp4_loop_several_tiles_a_program(device, bias_scale):
+    """The tile loop with several tiles a program (one program an SM) and a partial last tile, on its
+    lean copy (small bias) and its guarded one (a bias above 2**100): the bytes of the one-tile
+    kernel (on the lean copy but for rare LayerNorm last bits of the moments), skipped slots untouched."""
     from dsacache.ops.triton_utils import sm_count
 
-    num_tokens = 16 * (sm_count(torch.device(device)) or 4) * 3 + 5
+    launch = launch_module()
+    programs = sm_count(torch.device(device)) or 4
+    num_tokens = 16 * programs * 3 + 5
     k = random_keys(num_tokens, 128, torch.bfloat16, device)
     weight, bias = torch.randn(128, device=device), torch.randn(128, device=device) * bias_scale
     num_pages = num_tokens // PAGE + 2
     slots = random_slots(num_tokens, num_pages, device, num_skipped=num_tokens // 8)
     want, got = PackedPool("mxfp4", 128, num_pages, device), PackedPool("mxfp4", 128, num_pages, device)
-    launch_store(k, want.pages, slots, "mxfp4", weight, bias, 1e-6, mxfp4_variant=1)
-    shape = {} if moments else {"tokens_per_tile": 16, "num_warps": 2}
-    launch_norm_mxfp4_loop(k, got.pages, slots, weight, bias, 1e-6, hints=1, programs_per_sm=1, prefetch=prefetch,
-                           moments=moments, **shape)
-    if moments and bias_scale < 1:
+    assert launch.choose_store(k, want.pages, mxfp4(128), weight, bias).kernel == "mxfp4"
+    launch.launch_store(k, want.pages, slots, mxfp4(128), weight, bias, 1e-6)
+    loop = launch.StoreLaunch("mxfp4_loop", launch.LOOP_TOKENS_PER_TILE, launch.LOOP_WARPS, programs=programs)
+    launch.launch_store(k, got.pages, slots, mxfp4(128), weight, bias, 1e-6, launch=loop)
+    if bias_scale < 1:
         assert float((got.raw != want.raw).float().mean()) <= 1e-4
     else:
         assert torch.equal(got.raw, want.raw)
@@ -413,12 +434,12 @@ def test_fused_mxfp4_loop_several_tiles_a_program(device, prefetch, moments, bia
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_mxfp4_moments_fall_back_to_two_passes(device):
     """A tile with one token the raw moments cannot serve (mean**2 > 16 var: a large offset; NaN;
-    inf; a sum of squares past fp32) takes the two-pass LayerNorm: every tile here has one, so
-    the bytes are exactly those of the two-pass loop, and tokens next to them are unaffected."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_norm_mxfp4_loop
-
+    inf; a sum of squares past fp32) takes the exact two-pass LayerNorm: every tile here has one,
+    so the bytes are exactly those of the one-tile kernel (two passes too), and tokens next to
+    them are unaffected."""
+    launch = launch_module()
     tiles = 12 if device == "cpu" else 4 * 132 * 3
-    num_tokens = 8 * tiles
+    num_tokens = launch.LOOP_TOKENS_PER_TILE * tiles
     k = random_keys(num_tokens, 128, torch.float32, device)
     bad = torch.arange(tiles, device=device) * 8 + torch.arange(tiles, device=device) % 8
     kinds = torch.arange(tiles, device=device) % 4
@@ -431,10 +452,44 @@ def test_fused_mxfp4_moments_fall_back_to_two_passes(device):
     num_pages = num_tokens // PAGE + 2
     slots = random_slots(num_tokens, num_pages, device, num_skipped=num_tokens // 16)
     want, got = PackedPool("mxfp4", 128, num_pages, device), PackedPool("mxfp4", 128, num_pages, device)
-    launch_norm_mxfp4_loop(k, want.pages, slots, weight, bias, 1e-6, hints=1, moments=False)
-    launch_norm_mxfp4_loop(k, got.pages, slots, weight, bias, 1e-6, hints=1, moments=True)
+    assert launch.choose_store(k, want.pages, mxfp4(128), weight, bias).kernel == "mxfp4"
+    launch.launch_store(k, want.pages, slots, mxfp4(128), weight, bias, 1e-6)
+    loop = launch.StoreLaunch("mxfp4_loop", launch.LOOP_TOKENS_PER_TILE, launch.LOOP_WARPS)
+    launch.launch_store(k, got.pages, slots, mxfp4(128), weight, bias, 1e-6, launch=loop)
     assert torch.equal(got.raw, want.raw)
     got.assert_only_slots_written(slots)
+
+
+def test_store_launch_choice():
+    """Which kernel each batch gets: small batches one-warp programs, large fused bf16 MXFP4 the
+    tile loop (not with fp16 keys or without the norm), every FP8 batch the FP8 kernel."""
+    launch = launch_module()
+    pages = PackedPool("mxfp4", 128, 2, "cpu").pages
+    w, b = torch.ones(128), torch.zeros(128)
+
+    def choice(num_tokens, dtype=torch.bfloat16, norm=True, fmt=mxfp4(128), pool=pages):
+        k = torch.empty(num_tokens, 128, dtype=dtype)
+        return launch.choose_store(k, pool, fmt, w if norm else None, b if norm else None)
+
+    assert choice(1) == launch.StoreLaunch("mxfp4", launch.SMALL_TOKENS_PER_PROGRAM, 1)
+    assert choice(launch.LARGE_BATCH).kernel == "mxfp4_loop"
+    assert choice(launch.LARGE_BATCH - 1).kernel == "mxfp4"
+    assert choice(launch.LARGE_BATCH, dtype=torch.float16).block_t == launch.LARGE_MXFP4_TOKENS_PER_PROGRAM
+    assert choice(launch.LARGE_BATCH, norm=False).kernel == "mxfp4"
+    fp8_pages = PackedPool("fp8", 128, 2, "cpu").pages
+    assert choice(launch.LARGE_BATCH, fmt=IndexerKeyFormat("fp8", 128), pool=fp8_pages).kernel == "fp8"
+
+
+def test_forced_launch_checks_its_preconditions():
+    launch = launch_module()
+    pool = PackedPool("mxfp4", 128, 2, "cpu")
+    k, slots = torch.zeros(4, 128, dtype=torch.float16), torch.arange(4)
+    loop = launch.StoreLaunch("mxfp4_loop", 8, 1)
+    with pytest.raises(ValueError, match="tile loop"):
+        launch.launch_store(k, pool.pages, slots, mxfp4(128), torch.ones(128), torch.zeros(128), 1e-6, launch=loop)
+    with pytest.raises(ValueError, match="stores mxfp4"):
+        launch.launch_store(k, pool.pages, slots, mxfp4(128), launch=launch.StoreLaunch("fp8", 2, 1))
+    assert bool((pool.raw == SENTINEL).all())
 
 
 # ---- byte layout and round trip -------------------------------------------------------
@@ -452,7 +507,7 @@ def e2m1_half_step(y):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_layout_and_round_trip(device):
-    """Keys rebuilt from raw page bytes by the formats.md layout alone are within half a step."""
+    """Keys rebuilt from raw page bytes by the layout of docs/layout.md alone are within half a step."""
     k = random_keys(70, 128, torch.float32, device)
     pool = PackedPool("fp8", 128, 3, device)
     slots = random_slots(70, 3, device)
@@ -585,34 +640,126 @@ def test_fused_nan_input_rule(device):
 
 # ---- bad input: a clear error, nothing written -------------------------------------------
 
-def bad_store_calls(device):
+def bad_store_calls(device, impl):
+    """(message, call on fp8 pages) pairs: each call must raise ValueError matching the message."""
     k = torch.randn(4, 128, device=device)
     slots = torch.tensor([0, 1, 2, 3], device=device)
     w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+
+    def store(keys, p, slot_mapping, *args, **kw):
+        store_indexer_keys(keys, p, slot_mapping, *args, impl=kw.pop("impl", impl), **kw)
+
+    def fused(keys, weight, bias, p, slot_mapping, *args, **kw):
+        fused_norm_store_indexer_keys(keys, weight, bias, p, slot_mapping, *args, impl=kw.pop("impl", impl), **kw)
+
     return [
-        ("k.dtype", lambda p: store_indexer_keys(k.to(torch.int32), p, slots)),
-        ("2-D", lambda p: store_indexer_keys(k[0], p, slots)),
-        ("do not hold fp8 keys of head_dim=96", lambda p: store_indexer_keys(k[:, :96], p, slots)),
-        ("slot_mapping values", lambda p: store_indexer_keys(k, p, torch.tensor([0, 1, 2, 128], device=device))),
-        ("slot_mapping values", lambda p: store_indexer_keys(k, p, torch.tensor([0, -2, 2, 3], device=device))),
-        ("slot_mapping has 3", lambda p: store_indexer_keys(k, p, slots[:3])),
-        ("int32 or int64", lambda p: store_indexer_keys(k, p, slots.float())),
-        ("fused LayerNorm insert", lambda p: store_indexer_keys(k, p, slots, "mxfp4")),
-        ("allowed: auto", lambda p: store_indexer_keys(k, p, slots, "int8")),
-        ("weight must be", lambda p: fused_norm_store_indexer_keys(k, w[:64], b, p, slots)),
-        ("eps", lambda p: fused_norm_store_indexer_keys(k, w, b, p, slots, eps=-1.0)),
-        ("multiple of 32", lambda p: fused_norm_store_indexer_keys(k[:, :48], w[:48], b[:48], p, slots, "mxfp4")),
-        ("impl", lambda p: store_indexer_keys(k, p, slots, impl="cuda")),
+        ("k.dtype", lambda p: store(k.to(torch.int32), p, slots)),
+        ("2-D", lambda p: store(k[0], p, slots)),
+        ("match no key format at head_dim=96", lambda p: store(k[:, :96], p, slots)),
+        ("do not hold fp8 keys of head_dim=96", lambda p: store(k[:, :96], p, slots, "fp8")),
+        ("do not hold mxfp4 keys of head_dim=128", lambda p: fused(k, w, b, p, slots, "mxfp4")),
+        ("slot_mapping values", lambda p: store(k, p, torch.tensor([0, 1, 2, 128], device=device))),
+        ("slot_mapping values", lambda p: store(k, p, torch.tensor([0, -2, 2, 3], device=device))),
+        ("slot_mapping has 3", lambda p: store(k, p, slots[:3])),
+        ("int32 or int64", lambda p: store(k, p, slots.float())),
+        ("fused LayerNorm insert", lambda p: store(k, p, slots, "mxfp4")),
+        ("allowed: auto", lambda p: store(k, p, slots, "int8")),
+        ("allowed: auto", lambda p: fused(k, w, b, p, slots, "e4m3")),
+        ("weight must be", lambda p: fused(k, w[:64], b, p, slots)),
+        ("eps", lambda p: fused(k, w, b, p, slots, eps=-1.0)),
+        ("multiple of 32", lambda p: fused(k[:, :48], w[:48], b[:48], p, slots, "mxfp4")),
+        ("impl", lambda p: store(k, p, slots, impl="cuda")),
+        # Wrong argument types: a ValueError naming the argument, never a TypeError from inside.
+        ("slot_mapping must be a torch.Tensor", lambda p: store(k, p, [0, 1, 2, 3])),
+        ("slot_mapping must be a torch.Tensor", lambda p: fused(k, w, b, p, None)),
+        ("eps='1e-6' must be a finite number", lambda p: fused(k, w, b, p, slots, eps="1e-6")),
+        ("eps=True must be a finite number", lambda p: fused(k, w, b, p, slots, eps=True)),
+        ("eps=inf", lambda p: fused(k, w, b, p, slots, eps=float("inf"))),
+        ("check_slots must be True or False", lambda p: store(k, p, slots, check_slots=1)),
+        ("indexer_kv_dtype must be a string", lambda p: store(k, p, slots, 8)),
+        ("indexer pages must be a uint8 view", lambda p: store(k, p.tolist(), slots)),
+        ("bias must be", lambda p: fused(k, w, 0.0, p, slots)),
+        ("k must be a 2-D tensor", lambda p: store(k.tolist(), p, slots)),
+        ("impl", lambda p: store(k, p, slots, impl=None)),
     ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bad_input_raises_and_writes_nothing(device):
-    for message, call in bad_store_calls(device):
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_bad_input_raises_and_writes_nothing(device, path):
+    """Both paths refuse the same calls, before a byte is written."""
+    impl = "torch" if path == "torch" else impl_for(device)
+    for message, call in bad_store_calls(device, impl):
         pool = PackedPool("fp8", 128, 2, device)
         with pytest.raises(ValueError, match=message):
             call(pool.pages)
         assert bool((pool.raw == SENTINEL).all()), message
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_misaligned_pages_are_refused_by_both_paths(device, path):
+    """The stores write 32-bit words: pages off a 4-byte boundary are refused (FP8 and MXFP4)."""
+    impl = "torch" if path == "torch" else impl_for(device)
+    k, slots = torch.randn(2, 128, device=device), torch.tensor([0, 1], device=device)
+    w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+    for fmt in ("fp8", "mxfp4"):
+        entry = entry_bytes(fmt, 128)
+        raw = torch.full((2 * 64 * entry + 4,), SENTINEL, dtype=torch.uint8, device=device)
+        pages = raw.as_strided((2, 64, entry), (64 * entry, entry, 1), 1)
+        with pytest.raises(ValueError, match="4-byte aligned"):
+            fused_norm_store_indexer_keys(k, w, b, pages, slots, impl=impl)
+        assert bool((raw == SENTINEL).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_format_comes_from_the_pages(device, fmt):
+    """Omitting the format reads it off the pages; the string and the layout's IndexerKeyFormat
+    give the same bytes; gather and dequantize find it too."""
+    k = random_keys(70, 128, torch.bfloat16, device)
+    w, b = torch.randn(128, device=device), torch.randn(128, device=device) * 0.1
+    slots = random_slots(70, 3, device, num_skipped=5)
+    raws = []
+    for given in (None, fmt, IndexerKeyFormat(fmt, 128)):
+        pool = PackedPool(fmt, 128, 3, device)
+        fused_norm_store_indexer_keys(k, w, b, pool.pages, slots, given, impl=impl_for(device))
+        if fmt == "fp8":
+            store_indexer_keys(k, pool.pages, slots, given, impl=impl_for(device))
+        raws.append(pool.raw)
+    assert all(torch.equal(raw, raws[0]) for raw in raws)
+    table = torch.tensor([[2, 0, 1]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 150], dtype=torch.int32, device=device)
+    for impl in (impl_for(device), "torch"):
+        found = gather_indexer_keys(pool.pages, table, cu, 128, impl=impl)
+        named = gather_indexer_keys(pool.pages, table, cu, 128, IndexerKeyFormat(fmt, 128), impl=impl)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(found, named))
+        assert torch.equal(dequantize_indexer_keys(*found, impl=impl), dequantize_indexer_keys(*found, fmt, impl=impl))
+
+
+def test_wrong_format_strings_get_the_clear_error():
+    """A misspelt or mismatched format names the setting and what is allowed, on every public function."""
+    fp8, mx = PackedPool("fp8", 128, 2, "cpu"), PackedPool("mxfp4", 128, 2, "cpu")
+    k, slots = torch.randn(2, 128), torch.tensor([0, 1])
+    w, b = torch.ones(128), torch.zeros(128)
+    table, cu = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    allowed = r"indexer_kv_dtype='fp4' is not supported; allowed: auto, fp8, mxfp4"
+    for call in (lambda: store_indexer_keys(k, fp8.pages, slots, "fp4"),
+                 lambda: fused_norm_store_indexer_keys(k, w, b, mx.pages, slots, "fp4"),
+                 lambda: gather_indexer_keys(mx.pages, table, cu, 128, "fp4"),
+                 lambda: dequantize_indexer_keys(torch.zeros(2, 64, dtype=torch.uint8),
+                                                 torch.zeros(2, 4, dtype=torch.uint8), "fp4")):
+        with pytest.raises(ValueError, match=allowed):
+            call()
+    with pytest.raises(ValueError, match="do not hold fp8 keys of head_dim=128"):
+        fused_norm_store_indexer_keys(k, w, b, mx.pages, slots, "fp8")
+    with pytest.raises(ValueError, match="do not hold mxfp4 keys of head_dim=128"):
+        gather_indexer_keys(fp8.pages, table, cu, 128, "mxfp4")
+    with pytest.raises(ValueError, match="MXFP4 pages; indexer_kv_dtype='mxfp4' is written only by the fused"):
+        store_indexer_keys(k, mx.pages, slots)
+    with pytest.raises(ValueError, match="indexer key format is for head_dim=64"):
+        store_indexer_keys(k, fp8.pages, slots, IndexerKeyFormat("fp8", 64))
+    assert bool((fp8.raw == SENTINEL).all()) and bool((mx.raw == SENTINEL).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -644,7 +791,7 @@ def test_gather_and_dequantize(device, fmt):
     fused_norm_store_indexer_keys(k, w, b, pool.pages, torch.arange(num_pages * PAGE, device=device), fmt)
     outputs = {}
     for impl in (impl_for(device), "torch"):
-        values, scales = gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, 128, impl=impl)
+        values, scales = gather_indexer_keys(pool.pages, block_table, cu_seqlens, 128, fmt, impl=impl)
         keys = dequantize_indexer_keys(values, scales, fmt, impl=impl)
         outputs[impl] = (values.view(torch.uint8).cpu(), scales.view(torch.uint8).cpu(), keys.cpu())
     for got, want in zip(outputs[impl_for(device)], outputs["torch"]):
@@ -655,13 +802,82 @@ def test_gather_and_dequantize(device, fmt):
     assert bool((keys[int(cu_seqlens[5]) + 64:] == 0).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_follows_the_block_table_rule(device):
+    """Entries -7 and num_pages, and positions past the table's width, gather as zero bytes on
+    both paths; usable blocks around them gather their page."""
+    pool = PackedPool("mxfp4", 128, 3, device)
+    k = random_keys(3 * PAGE, 128, torch.bfloat16, device)
+    w, b = torch.ones(128, device=device), torch.zeros(128, device=device)
+    fused_norm_store_indexer_keys(k, w, b, pool.pages, torch.arange(3 * PAGE, device=device), impl=impl_for(device))
+    table = torch.tensor([[2, -7], [3, 0]], dtype=torch.int32, device=device)   # 3 == num_pages
+    cu = torch.tensor([0, 150, 250], dtype=torch.int32, device=device)         # request 0 runs past the table
+    outputs = [gather_indexer_keys(pool.pages, table, cu, 128, impl=impl) for impl in (impl_for(device), "torch")]
+    for got, want in zip(*outputs):
+        assert torch.equal(got, want)
+    values, scales = (t.cpu() for t in outputs[1])
+    page2 = pool.entries(torch.arange(2 * PAGE, 3 * PAGE))
+    assert torch.equal(values[:PAGE], page2[0]) and torch.equal(scales[:PAGE], page2[1])
+    page0 = pool.entries(torch.arange(PAGE))
+    assert torch.equal(values[150 + PAGE:], page0[0][:100 - PAGE])
+    zero = torch.ones(250, dtype=torch.bool)
+    zero[:PAGE] = False
+    zero[150 + PAGE:] = False
+    assert bool((values[zero] == 0).all()) and bool((scales[zero] == 0).all())
+
+
 def test_gather_validates_metadata():
     pool = PackedPool("fp8", 128, 2, "cpu")
     table = torch.zeros(2, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        gather_indexer_keys(pool.pages, table, torch.tensor([0, 3], dtype=torch.int32), "fp8", 128)
+        gather_indexer_keys(pool.pages, table, torch.tensor([0, 3], dtype=torch.int32), 128, "fp8")
     with pytest.raises(ValueError, match="block_table"):
-        gather_indexer_keys(pool.pages, table.long(), torch.tensor([0, 3, 4], dtype=torch.int32), "fp8", 128)
+        gather_indexer_keys(pool.pages, table.long(), torch.tensor([0, 3, 4], dtype=torch.int32), 128, "fp8")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_gather_and_dequantize_refuse_wrong_types(impl):
+    """A ValueError naming the argument, on both paths (never a TypeError from inside)."""
+    pool = PackedPool("fp8", 128, 2, "cpu")
+    table, cu = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 70], dtype=torch.int32)
+    values, scales = torch.zeros(2, 128).to(torch.float8_e4m3fn), torch.ones(2)
+    calls = [
+        ("head_dim must be an integer >= 1, got '128'", lambda: gather_indexer_keys(pool.pages, table, cu, "128", impl=impl)),
+        ("head_dim must be an integer >= 1, got True", lambda: gather_indexer_keys(pool.pages, table, cu, True, impl=impl)),
+        ("head_dim must be an integer >= 1, got 'fp8'",
+         lambda: gather_indexer_keys(pool.pages, table, cu, "fp8", 128, impl=impl)),
+        ("num_tokens must be an integer >= 0, got 2.5",
+         lambda: gather_indexer_keys(pool.pages, table, cu, 128, num_tokens=2.5, impl=impl)),
+        ("num_tokens must be an integer >= 0, got -1",
+         lambda: gather_indexer_keys(pool.pages, table, cu, 128, num_tokens=-1, impl=impl)),
+        ("cu_seqlens must be a torch.Tensor", lambda: gather_indexer_keys(pool.pages, table, [0, 70], 128, impl=impl)),
+        ("block_table must be an int32 tensor", lambda: gather_indexer_keys(pool.pages, [[0, 1]], cu, 128, impl=impl)),
+        ("block_table must be at least 1 blocks wide",
+         lambda: gather_indexer_keys(pool.pages, table[:, :0], cu, 128, impl=impl)),
+        ("with no requests", lambda: gather_indexer_keys(pool.pages, table[:0], cu[:1], 128, num_tokens=3, impl=impl)),
+        ("values must be a torch.Tensor", lambda: dequantize_indexer_keys(values.tolist(), scales, impl=impl)),
+        ("scales must be a torch.Tensor", lambda: dequantize_indexer_keys(values, 1.0, impl=impl)),
+        ("values.dtype=torch.float32", lambda: dequantize_indexer_keys(values.float(), scales, impl=impl)),
+        ("indexer_kv_dtype=3 is not supported", lambda: dequantize_indexer_keys(values, scales, 3, impl=impl)),
+    ]
+    for message, call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_takes_strided_metadata_on_both_paths(device):
+    """A block table whose rows are not contiguous and a strided cu_seqlens gather the same bytes."""
+    pool = PackedPool("fp8", 128, 4, device)
+    store_indexer_keys(random_keys(256, 128, torch.float32, device), pool.pages, torch.arange(256, device=device),
+                       impl=impl_for(device))
+    wide = torch.tensor([[3, 9, 1, 9], [0, 9, 2, 9]], dtype=torch.int32, device=device)
+    table = wide[:, ::2]
+    cu = torch.tensor([0, 9, 100, 9, 130], dtype=torch.int32, device=device)[::2]
+    want = gather_indexer_keys(pool.pages, table.contiguous(), cu.contiguous(), 128, impl="torch")
+    for impl in (impl_for(device), "torch"):
+        got = gather_indexer_keys(pool.pages, table, cu, 128, impl=impl)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
 
 
 def test_dequantize_rejects_mismatched_shapes():
@@ -675,7 +891,11 @@ def test_docstring_examples_run():
     pool = torch.zeros(4, 64, 132, dtype=torch.uint8)
     store_indexer_keys(torch.randn(3, 128), pool, torch.tensor([0, 65, -1]))
     values, scales = gather_indexer_keys(pool, torch.tensor([[2, 0]], dtype=torch.int32),
-                                         torch.tensor([0, 70], dtype=torch.int32), "fp8", 128)
+                                         torch.tensor([0, 70], dtype=torch.int32), 128)
     assert values.shape == (70, 128) and scales.shape == (70,)
     assert math.isclose(float(dequantize_indexer_keys(torch.ones(1, 128).to(torch.float8_e4m3fn),
                                                       torch.tensor([0.5]))[0, 0]), 0.5)
+    pool = torch.zeros(4, 64, 68, dtype=torch.uint8)
+    fused_norm_store_indexer_keys(torch.randn(3, 128), torch.ones(128), torch.zeros(128), pool,
+                                  torch.tensor([0, 1, 2]))
+    assert bool(pool.any())

@@ -1,10 +1,11 @@
 """Indexer key cache: quantize + store (FP8/MXFP4, plain/fused LayerNorm), gather, dequantize.
 
-Keys go to random slots of one layer's indexer pages inside a packed pool laid out as
-for K3.1 (24 DSA layers, each sub-row holding every layer's fp8_ds_mla MLA page and
-indexer page, so the layer's view has a page stride of ~1 MB). Bytes counted: the keys
-read plus the entries written (``targets.md``); the slot mapping is not counted.
-Every case is checked against the PyTorch reference (and for stray writes) first.
+Keys go to random slots of one DSA layer's indexer pages in a K3.1 pool planned as a user
+plans it (``plan()`` + ``CachePool``, rows enough for the largest batch): 24 DSA layers, each
+sub-row holding every layer's fp8_ds_mla MLA page and indexer page, so the layer's view has a
+page stride of ~1 MB. Bytes counted: the keys read plus the entries written
+(``docs/benchmarks.md``); the slot mapping is not counted. Every case is checked against the
+PyTorch reference (and for stray writes) first.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import statistics
 import torch
 
 from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
-from dsacache.formats.indexer_key import quantize_fp8, quantize_mxfp4
-from dsacache.formats.key_format import indexer_entry_bytes
-from dsacache.formats.sizes import KERNEL_PAGE_SIZE, mla_entry_bytes
+from dsacache.formats.indexer_key import split_indexer_pages
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.indexer_k_cache import (
     dequantize_indexer_keys,
     fused_norm_store_indexer_keys,
@@ -24,7 +24,10 @@ from dsacache.ops.indexer_k_cache import (
     store_indexer_keys,
 )
 from dsacache.ops.indexer_k_cache import naive
+from dsacache.planner import CacheConfig, plan
+from dsacache.runtime.pool import CachePool
 
+MODEL = "kimi-k3.1"
 SENTINEL = 0xA5
 #: From this many tokens on, a store is timed over REPEATS slot permutations.
 LARGE = 1 << 16
@@ -36,76 +39,78 @@ CASES = (("fp8", "plain"), ("fp8", "fused"), ("mxfp4", "fused"), ("mxfp4", "quan
 
 def add_arguments(parser) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 8192, 1 << 20])
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=24, help="DSA layers sharing a pool sub-row")
     parser.add_argument("--sweep", action="store_true", help="also time launch shapes at the largest size")
 
 
-class Pool:
-    """One layer's indexer view of a packed pool (every layer's MLA + indexer page per sub-row)."""
+class BenchPool:
+    """The indexer pages of the middle DSA layer of a K3.1 pool with ``indexer_kv_dtype=fmt`` and
+    rows for ``num_tokens`` tokens, every byte of the pool the sentinel."""
 
-    def __init__(self, fmt: str, head_dim: int, num_pages: int, layers: int):
-        self.entry = indexer_entry_bytes(head_dim, fmt)
-        layer_bytes = KERNEL_PAGE_SIZE * (mla_entry_bytes(512, 0, "fp8_ds_mla") + self.entry)
-        self.page_stride = layers * layer_bytes
-        offset = (layers // 2) * layer_bytes + KERNEL_PAGE_SIZE * mla_entry_bytes(512, 0, "fp8_ds_mla")
-        self.raw = torch.full((num_pages * self.page_stride,), SENTINEL, dtype=torch.uint8, device="cuda")
-        self.pages = self.raw.as_strided((num_pages, KERNEL_PAGE_SIZE, self.entry), (self.page_stride, self.entry, 1),
-                                         offset)
+    def __init__(self, fmt: str, num_tokens: int, device: torch.device | str = "cuda"):
+        config = CacheConfig.from_model(MODEL, indexer_kv_dtype=fmt)
+        block_size = plan(config, num_rows=1).block_size
+        self.cache = CachePool(plan(config, num_rows=max(1, -(-num_tokens // block_size))), device=device)
+        dsa_layers = self.cache.layout.dsa_layers
+        self.layer = dsa_layers[len(dsa_layers) // 2].layer
+        self.pages = self.cache.index_pages(self.layer)
+        self.fmt = self.cache.layout.indexer_key_format
+        self.raw = self.cache.buffer
+        self.raw.fill_(SENTINEL)
+
+    @property
+    def num_slots(self) -> int:
+        return self.pages.shape[0] * KERNEL_PAGE_SIZE
 
 
-def _store_fn(fmt, mode, k, weight, bias, pages, slots, impl="auto", check_slots=False):
+def _store_fn(pool, mode, k, weight, bias, slots, impl="auto", check_slots=False):
     """The store of one case as a no-argument callable (no host sync unless ``check_slots``)."""
     if mode == "plain":
-        return lambda: store_indexer_keys(k, pages, slots, fmt, impl=impl, check_slots=check_slots)
+        return lambda: store_indexer_keys(k, pool.pages, slots, impl=impl, check_slots=check_slots)
     if mode == "fused":
-        return lambda: fused_norm_store_indexer_keys(k, weight, bias, pages, slots, fmt, impl=impl,
+        return lambda: fused_norm_store_indexer_keys(k, weight, bias, pool.pages, slots, impl=impl,
                                                      check_slots=check_slots)
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+    from dsacache.ops.indexer_k_cache.launch import launch_store
 
-    return lambda: launch_store(k, pages, slots, fmt)
-
-
-def _expected(fmt, mode, k, weight, bias):
-    x = naive.layer_norm(k, weight, bias, 1e-6) if mode == "fused" else k
-    if fmt == "fp8":
-        values, scales = quantize_fp8(x)
-        return values.view(torch.uint8), scales
-    return quantize_mxfp4(x)
+    return lambda: launch_store(k, pool.pages, slots, pool.fmt)
 
 
-def _check_store(fmt, mode, pool, k, weight, bias, slots):
+def _entries(pool, values, scales):
+    """Entry bytes as compared: values as bytes, scales as one value a scale (fp32 for FP8)."""
+    return values, naive.typed_entries(values, scales, pool.fmt)[1]
+
+
+def check_store(pool, mode, k, weight, bias, slots):
     """Entries match the reference; clearing them back to the sentinel leaves a pristine pool."""
     page, row = slots // KERNEL_PAGE_SIZE, slots % KERNEL_PAGE_SIZE
-    values, scales = naive.page_values_and_scales(pool.pages, k.shape[1], fmt)
-    want_values, want_scales = _expected(fmt, mode, k, weight, bias)
-    got_values, got_scales = values[page, row], scales[page, row]
+    values, scales = split_indexer_pages(pool.pages, pool.fmt)
+    x = naive.layer_norm(k, weight, bias, 1e-6) if mode == "fused" else k
+    want_values, want_scales = _entries(pool, *naive.quantized_bytes(x, pool.fmt))
+    got_values, got_scales = _entries(pool, values[page, row], scales[page, row])
     value_mismatch = float((got_values != want_values).float().mean())
     scale_mismatch = float((got_scales != want_scales).float().mean())
     # FP8: the hardware cast and torch's may differ by a code on rare ties; fused: LayerNorm last bits.
     if value_mismatch > 0.01 or scale_mismatch > (0.0 if mode != "fused" else 1e-3):
-        raise CorrectnessError(f"{fmt} {mode}: {value_mismatch:.2%} values, {scale_mismatch:.2%} scales differ")
-    _clear(fmt, pool, k.shape[1], slots)
+        raise CorrectnessError(f"{pool.fmt.name} {mode}: {value_mismatch:.2%} values, {scale_mismatch:.2%} scales differ")
+    clear(pool, slots)
     if not bool((pool.raw == SENTINEL).all()):
-        raise CorrectnessError(f"{fmt} {mode}: bytes outside the slots were written")
+        raise CorrectnessError(f"{pool.fmt.name} {mode}: bytes outside the slots were written")
 
 
-def _clear(fmt, pool, head_dim, slots):
+def clear(pool, slots):
     """Put the sentinel back into the entries of ``slots``."""
     page, row = slots // KERNEL_PAGE_SIZE, slots % KERNEL_PAGE_SIZE
-    values, scales = naive.page_values_and_scales(pool.pages, head_dim, fmt)
+    values, scales = split_indexer_pages(pool.pages, pool.fmt)
     values[page, row] = SENTINEL
-    if fmt == "fp8":
-        scales[page, row] = torch.tensor([SENTINEL] * 4, dtype=torch.uint8, device="cuda").view(torch.float32)
-    else:
-        scales[page, row] = SENTINEL
+    scales[page, row] = SENTINEL
 
 
-def _inputs(num_tokens, head_dim, num_pages):
-    k = torch.randn(num_tokens, head_dim, device="cuda", dtype=torch.bfloat16)
-    weight = torch.rand(head_dim, device="cuda") + 0.5
-    bias = torch.randn(head_dim, device="cuda") * 0.1
-    slots = torch.randperm(num_pages * KERNEL_PAGE_SIZE, device="cuda")[:num_tokens]
+def make_inputs(pool, num_tokens):
+    """bf16 keys, LayerNorm weight and bias, and distinct random slots of the pool."""
+    device, head_dim = pool.raw.device, pool.fmt.head_dim
+    k = torch.randn(num_tokens, head_dim, device=device, dtype=torch.bfloat16)
+    weight = torch.rand(head_dim, device=device) + 0.5
+    bias = torch.randn(head_dim, device=device) * 0.1
+    slots = torch.randperm(pool.num_slots, device=device)[:num_tokens]
     return k, weight, bias, slots
 
 
@@ -128,133 +133,128 @@ def _launch_floor() -> tuple[float, float]:
     return time_graph(fn), time_cuda(fn, warmup=10, rep=50)
 
 
-def _store_rows(args, fmt, num_pages, launch_ms):
-    pool = Pool(fmt, args.head_dim, num_pages, args.layers)
+def store_rows(args, fmt, launch_ms, device="cuda"):
+    """Every case of ``fmt`` at every size, then the extra rows at the largest size (gather included)."""
+    pool = BenchPool(fmt, max(args.tokens), device)
+    head_dim = pool.fmt.head_dim
     rows = []
     for case_fmt, mode in CASES:
         if case_fmt != fmt:
             continue
         for n in args.tokens:
-            k, weight, bias, slots = _inputs(n, args.head_dim, num_pages)
-            fn = _store_fn(fmt, mode, k, weight, bias, pool.pages, slots)
+            k, weight, bias, slots = make_inputs(pool, n)
+            fn = _store_fn(pool, mode, k, weight, bias, slots)
             fn()
-            _check_store(fmt, mode, pool, k, weight, bias, slots)
+            check_store(pool, mode, k, weight, bias, slots)
             ms, eager_ms = time_graph(fn), time_cuda(fn)
-            _clear(fmt, pool, args.head_dim, slots)
-            nbytes = n * (k.element_size() * args.head_dim + pool.entry)
+            clear(pool, slots)
+            nbytes = n * (k.element_size() * head_dim + pool.fmt.entry_bytes)
             extra = {"eager_us": round(eager_ms * 1e3, 1)}
             if n >= LARGE:
-                ms, extra["spread_us"] = _repeated_ms(fmt, mode, k, weight, bias, pool, num_pages, ms)
+                ms, extra["spread_us"] = _repeated_ms(pool, mode, k, weight, bias, ms)
             if n <= 64:
                 extra.update(launch_graph_us=round(launch_ms[0] * 1e3, 2), launch_eager_us=round(launch_ms[1] * 1e3, 1))
-            rows.append(BenchRow(f"store {fmt} {mode}", f"T={n} D={args.head_dim} bf16 random", ms, nbytes,
+            rows.append(BenchRow(f"store {fmt} {mode}", f"T={n} D={head_dim} bf16 random", ms, nbytes,
                                  args.ceiling_gbps, extra))
-    rows += _extra_store_rows(args, fmt, pool, num_pages)
+    rows += _extra_store_rows(args, pool)
     del pool
     torch.cuda.empty_cache()
     return rows
 
 
-def _repeated_ms(fmt, mode, k, weight, bias, pool, num_pages, first_ms):
+def _repeated_ms(pool, mode, k, weight, bias, first_ms):
     """Median over REPEATS slot permutations (the first already timed) of the graph median, and
     the range: with random slots over a ~16 GB pool one permutation can be ~10 % off another."""
     times = [first_ms]
     for _ in range(REPEATS - 1):
-        slots = torch.randperm(num_pages * KERNEL_PAGE_SIZE, device="cuda")[:k.shape[0]]
-        times.append(time_graph(_store_fn(fmt, mode, k, weight, bias, pool.pages, slots)))
+        slots = torch.randperm(pool.num_slots, device=pool.raw.device)[:k.shape[0]]
+        times.append(time_graph(_store_fn(pool, mode, k, weight, bias, slots)))
     pool.raw.fill_(SENTINEL)  # pristine again for the next case's stray-write check
     return statistics.median(times), f"{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}"
 
 
-def _extra_store_rows(args, fmt, pool, num_pages):
+def _extra_store_rows(args, pool):
     """Largest size: sorted slots (a prefill's real pattern), the host slot check, the torch reference."""
+    fmt, head_dim = pool.fmt.name, pool.fmt.head_dim
     n = max(args.tokens)
-    k, weight, bias, slots = _inputs(n, args.head_dim, num_pages)
-    nbytes = n * (2 * args.head_dim + pool.entry)
+    k, weight, bias, slots = make_inputs(pool, n)
+    nbytes = n * (2 * head_dim + pool.fmt.entry_bytes)
     mode = "plain" if fmt == "fp8" else "fused"
     rows = []
-    sorted_slots = torch.arange(n, device="cuda")
-    ms = time_graph(_store_fn(fmt, mode, k, weight, bias, pool.pages, sorted_slots))
-    rows.append(BenchRow(f"store {fmt} {mode}", f"T={n} D={args.head_dim} bf16 sorted", ms, nbytes, args.ceiling_gbps))
-    ms = time_cuda(_store_fn(fmt, mode, k[:64], weight, bias, pool.pages, slots[:64], check_slots=True))
-    rows.append(BenchRow(f"store {fmt} {mode} +check", f"T=64 D={args.head_dim} host slot check, eager", ms,
-                         64 * (2 * args.head_dim + pool.entry), args.ceiling_gbps))
-    ms = time_cuda(_store_fn(fmt, mode, k, weight, bias, pool.pages, slots, impl="torch"), warmup=2, rep=5)
-    rows.append(BenchRow(f"store {fmt} {mode} torch ref", f"T={n} D={args.head_dim} bf16 random", ms, nbytes,
+    sorted_slots = torch.arange(n, device=pool.raw.device)
+    ms = time_graph(_store_fn(pool, mode, k, weight, bias, sorted_slots))
+    rows.append(BenchRow(f"store {fmt} {mode}", f"T={n} D={head_dim} bf16 sorted", ms, nbytes, args.ceiling_gbps))
+    ms = time_cuda(_store_fn(pool, mode, k[:64], weight, bias, slots[:64], check_slots=True))
+    rows.append(BenchRow(f"store {fmt} {mode} +check", f"T=64 D={head_dim} host slot check, eager", ms,
+                         64 * (2 * head_dim + pool.fmt.entry_bytes), args.ceiling_gbps))
+    ms = time_cuda(_store_fn(pool, mode, k, weight, bias, slots, impl="torch"), warmup=2, rep=5)
+    rows.append(BenchRow(f"store {fmt} {mode} torch ref", f"T={n} D={head_dim} bf16 random", ms, nbytes,
                          args.ceiling_gbps))
     if args.sweep:
         for sweep_mode in ("plain", "fused") if fmt == "fp8" else ("fused", "quant"):
-            rows += _sweep_rows(args, fmt, sweep_mode, pool, k, weight, bias, slots, nbytes)
-            rows += _hints_rows(args, fmt, sweep_mode, pool, k, weight, bias, slots, nbytes)
-    rows += _gather_rows(args, fmt, pool, num_pages)
+            rows += _sweep_rows(args, sweep_mode, pool, k, weight, bias, slots, nbytes)
+    rows += _gather_rows(args, pool)
     return rows
 
 
-def _sweep_rows(args, fmt, mode, pool, k, weight, bias, slots, nbytes):
-    rows = []
-    norm = {"weight": weight, "bias": bias, "eps": 1e-6} if mode == "fused" else {}
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
-
-    # MXFP4: every encoder (``mxfp4_variant``) at every shape; each one's bytes checked first.
-    variants = (0, 1) if fmt == "mxfp4" else (None,)
-    for variant in variants:
-        extra = {} if variant is None else {"mxfp4_variant": variant}
-        if variant is not None:
-            launch_store(k, pool.pages, slots, fmt, **extra, **norm)
-            _check_store(fmt, mode, pool, k, weight, bias, slots)
-        tag = "" if variant is None else f" enc={variant}"
-        for tokens_per_program in (16, 32, 64):
-            for num_warps in (2, 4):
-                ms = time_graph(lambda: launch_store(k, pool.pages, slots, fmt, tokens_per_program=tokens_per_program,
-                                                     num_warps=num_warps, **extra, **norm))
-                rows.append(BenchRow(f"sweep {fmt} {mode}",
-                                     f"T={k.shape[0]} tpp={tokens_per_program} w={num_warps}{tag}",
-                                     ms, nbytes, args.ceiling_gbps))
-    return rows
-
-
-def _hints_rows(args, fmt, mode, pool, k, weight, bias, slots, nbytes):
-    """The store with each L2 hint setting (``STORE_HINTS``), default launch shape."""
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+def _sweep_rows(args, mode, pool, k, weight, bias, slots, nbytes):
+    """The store's one-tile kernel at each launch shape (MXFP4 fused: the kernel small batches run)."""
+    from dsacache.ops.indexer_k_cache.launch import StoreLaunch, launch_store
 
     norm = {"weight": weight, "bias": bias, "eps": 1e-6} if mode == "fused" else {}
     rows = []
-    for hints in (0, 1, 2):
-        ms = time_graph(lambda: launch_store(k, pool.pages, slots, fmt, hints=hints, **norm))
-        rows.append(BenchRow(f"hints {fmt} {mode}", f"T={k.shape[0]} hints={hints}", ms, nbytes, args.ceiling_gbps))
+    for tokens_per_program in (16, 32, 64):
+        for num_warps in (2, 4):
+            launch = StoreLaunch(pool.fmt.name, tokens_per_program, num_warps)
+            ms = time_graph(lambda: launch_store(k, pool.pages, slots, pool.fmt, **norm, launch=launch))
+            rows.append(BenchRow(f"sweep {pool.fmt.name} {mode}",
+                                 f"T={k.shape[0]} tpp={tokens_per_program} w={num_warps}",
+                                 ms, nbytes, args.ceiling_gbps))
     return rows
 
 
-def _gather_rows(args, fmt, pool, num_pages):
-    """Gather every page of the pool as (up to) 16 requests, then dequantize."""
+def gather_metadata(pool):
+    """Every page of the pool as (up to) 16 requests: (block_table, cu_seqlens, num_tokens)."""
+    device, num_pages = pool.raw.device, pool.pages.shape[0]
     num_reqs = min(16, num_pages)
     pages_per_req = num_pages // num_reqs
-    block_table = torch.randperm(num_pages, device="cuda")[:num_reqs * pages_per_req].int().view(num_reqs, -1)
+    block_table = torch.randperm(num_pages, device=device)[:num_reqs * pages_per_req].int().view(num_reqs, -1)
     per_req = pages_per_req * KERNEL_PAGE_SIZE
-    cu_seqlens = torch.arange(num_reqs + 1, device="cuda", dtype=torch.int32) * per_req
-    total = per_req * num_reqs
-    values, scales = gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, args.head_dim, num_tokens=total)
-    ref = naive.gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, args.head_dim, total)
+    cu_seqlens = torch.arange(num_reqs + 1, device=device, dtype=torch.int32) * per_req
+    return block_table, cu_seqlens, per_req * num_reqs
+
+
+def check_gather(pool, block_table, cu_seqlens, total):
+    """Gather and dequantize against the reference; returns the gathered (values, scales)."""
+    fmt = pool.fmt
+    values, scales = gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt.head_dim, num_tokens=total)
+    ref = naive.gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, total)
     if not (torch.equal(values.view(torch.uint8), ref[0].view(torch.uint8)) and
             torch.equal(scales.view(torch.uint8), ref[1].view(torch.uint8))):
-        raise CorrectnessError(f"gather {fmt} differs from the reference")
-    ms = time_graph(lambda: gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt, args.head_dim,
-                                                num_tokens=total))
-    rows = [BenchRow(f"gather {fmt}", f"T={total} {num_reqs} requests", ms, 2 * total * pool.entry, args.ceiling_gbps)]
-    keys = dequantize_indexer_keys(values, scales, fmt)
-    if not torch.equal(keys, naive.dequantize_indexer_keys(values, scales, fmt)):
-        raise CorrectnessError(f"dequantize {fmt} differs from the reference")
-    ms = time_graph(lambda: dequantize_indexer_keys(values, scales, fmt))
-    rows.append(BenchRow(f"dequantize {fmt}", f"T={total} D={args.head_dim}", ms,
-                         total * (pool.entry + 4 * args.head_dim), args.ceiling_gbps))
+        raise CorrectnessError(f"gather {fmt.name} differs from the reference")
+    if not torch.equal(dequantize_indexer_keys(values, scales), naive.dequantize_indexer_keys(values, scales, fmt)):
+        raise CorrectnessError(f"dequantize {fmt.name} differs from the reference")
+    return values, scales
+
+
+def _gather_rows(args, pool):
+    """Gather every page of the pool as (up to) 16 requests, then dequantize."""
+    fmt = pool.fmt
+    block_table, cu_seqlens, total = gather_metadata(pool)
+    values, scales = check_gather(pool, block_table, cu_seqlens, total)
+    ms = time_graph(lambda: gather_indexer_keys(pool.pages, block_table, cu_seqlens, fmt.head_dim, num_tokens=total))
+    rows = [BenchRow(f"gather {fmt.name}", f"T={total} {block_table.shape[0]} requests", ms,
+                     2 * total * fmt.entry_bytes, args.ceiling_gbps)]
+    ms = time_graph(lambda: dequantize_indexer_keys(values, scales))
+    rows.append(BenchRow(f"dequantize {fmt.name}", f"T={total} D={fmt.head_dim}", ms,
+                         total * (fmt.entry_bytes + 4 * fmt.head_dim), args.ceiling_gbps))
     return rows
 
 
 def run(args) -> list[BenchRow]:
-    num_pages = max(2, -(-max(args.tokens) // KERNEL_PAGE_SIZE))
     launch_ms = _launch_floor()
     rows = [BenchRow("single small launch", "torch fill_ of 1 element", launch_ms[0], 4, args.ceiling_gbps,
                      {"eager_us": round(launch_ms[1] * 1e3, 1)})]
     for fmt in ("fp8", "mxfp4"):
-        rows += _store_rows(args, fmt, num_pages, launch_ms)
+        rows += store_rows(args, fmt, launch_ms)
     return rows

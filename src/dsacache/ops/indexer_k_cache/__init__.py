@@ -1,7 +1,12 @@
 """Indexer key cache write path: quantize + store (plain and fused LayerNorm), gather, dequantize.
 
-``naive.py`` is the PyTorch reference (also the CPU path), ``triton_kernels.py`` the
-Triton kernels, ``api.py`` the public functions exported here.
+* ``api.py``: the public functions exported here (validation, docstrings, Triton or PyTorch).
+* ``naive.py``: the PyTorch reference (also the CPU path).
+* ``launch.py``: which Triton kernel runs and with what launch shape; every tuning knob.
+* Kernels: ``store_fp8.py`` (FP8 store), ``store_mxfp4.py`` (MXFP4 store, one tile of tokens a
+  program), ``store_mxfp4_loop.py`` (fused LayerNorm + MXFP4 store of large bf16 batches, a tile
+  loop with the LayerNorm moments on the tensor cores), ``gather.py``, ``dequantize.py``;
+  ``codecs.py`` holds the Triton pieces the stores share (scale arithmetic, e4m3/e2m1 encoding).
 """
 
 from dsacache.ops.indexer_k_cache.api import (

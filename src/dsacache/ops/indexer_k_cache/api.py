@@ -2,28 +2,54 @@
 
 Triton runs when the tensors are on CUDA (or when ``impl="triton"`` is forced, which
 under ``TRITON_INTERPRET=1`` also runs on CPU); the PyTorch reference in ``naive.py``
-runs otherwise (``impl="torch"`` forces it). The page byte layout is drawn in
+runs otherwise (``impl="torch"`` forces it). Both paths refuse the same inputs: every
+check is here, before anything is written. The page byte layout is drawn in
 ``docs/layout.md`` ("indexer page"); the codecs and their NaN/inf rules are in
 :mod:`dsacache.formats.indexer_key`.
+
+The key format comes with the pages the pool hands out (``pool.index_pages(layer)``):
+``indexer_kv_dtype=None`` reads it off their entry width at the keys' ``head_dim``; a format
+string (``"auto"``, ``"fp8"``, ``"mxfp4"``) or an :class:`~dsacache.formats.key_format.IndexerKeyFormat`
+(``CacheLayout.indexer_key_format``) is checked against them.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
-from dsacache.formats.indexer_key import indexer_pages_format
-from dsacache.formats.key_format import MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
-from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.dispatch import check_same_device, use_triton
+from dsacache.formats.indexer_key import indexer_pages_format
+from dsacache.formats.key_format import IndexerKeyFormat, resolve_indexer_kv_dtype
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.indexer_k_cache import naive
+from dsacache.runtime.block_table import check_block_table
 
 KEY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 MXFP4_RULE = (
     "indexer_kv_dtype='mxfp4' is written only by the fused LayerNorm insert "
-    "(fused_norm_store_indexer_keys; packing.md, 'Indexer key format choice')"
+    "(fused_norm_store_indexer_keys; docs/planning.md, format choice)"
 )
+
+
+def _check_tensor(name: str, value: object) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_keys(k: torch.Tensor) -> int:
@@ -36,10 +62,17 @@ def _check_keys(k: torch.Tensor) -> int:
     return k.shape[1]
 
 
-def _check_pages(pages: torch.Tensor, head_dim: int, fmt: str) -> None:
-    indexer_pages_format(pages, head_dim, fmt)
-    if fmt == "fp8" and (pages.data_ptr() % 4 or pages.stride(0) % 4):
-        raise ValueError("FP8 indexer pages must be 4-byte aligned (address and page stride): scales are fp32")
+def _store_format(pages: torch.Tensor, head_dim: int, indexer_kv_dtype, *, fused: bool) -> IndexerKeyFormat:
+    """The format the store writes: named or read off the pages, checked against them; MXFP4 only ``fused``."""
+    if not fused and indexer_kv_dtype is not None and IndexerKeyFormat.of(indexer_kv_dtype, head_dim).is_mxfp4:
+        raise ValueError(f"store_indexer_keys: {MXFP4_RULE}")
+    fmt = indexer_pages_format(pages, head_dim, indexer_kv_dtype)
+    if not fused and fmt.is_mxfp4:
+        raise ValueError(f"store_indexer_keys: these are MXFP4 pages; {MXFP4_RULE}")
+    if pages.data_ptr() % 4 or pages.stride(0) % 4:
+        raise ValueError("indexer pages must be 4-byte aligned (address and page stride) for the stores: "
+                         "FP8 scales are fp32, MXFP4 values are written a 32-bit word at a time")
+    return fmt
 
 
 def _check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_pages: int, check_slots: bool) -> None:
@@ -62,27 +95,34 @@ def _check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_pages: 
         )
 
 
+def _check_store_args(slot_mapping: object, check_slots: object) -> None:
+    _check_tensor("slot_mapping", slot_mapping)
+    _check_flag("check_slots", check_slots)
+
+
 def _check_norm_params(weight: torch.Tensor, bias: torch.Tensor, head_dim: int, eps: float) -> None:
     for name, t in (("weight", weight), ("bias", bias)):
         if not isinstance(t, torch.Tensor) or t.shape != (head_dim,) or t.dtype not in KEY_DTYPES:
             raise ValueError(f"{name} must be a [{head_dim}] float tensor, got {getattr(t, 'shape', type(t))}")
-    if not eps >= 0 or eps == float("inf"):
-        raise ValueError(f"eps={eps} must be finite and >= 0")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 <= eps < math.inf):
+        raise ValueError(f"eps={eps!r} must be a finite number >= 0")
 
 
 def store_indexer_keys(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tensor,
-                       indexer_kv_dtype: str = "fp8", *, impl: str = "auto", check_slots: bool = True) -> None:
+                       indexer_kv_dtype: str | IndexerKeyFormat | None = None, *, impl: str = "auto",
+                       check_slots: bool = True) -> None:
     """Quantize indexer keys to FP8 and write them into one layer's indexer pages.
 
     Args:
         k: ``[num_tokens, head_dim]`` bf16, fp16 or fp32 keys (any strides).
         pages: the layer's paged view ``[num_pages, 64, head_dim + 4]`` uint8 with
-            strides ``(page_stride, head_dim + 4, 1)``; ``page_stride`` may span a whole
-            packed row (every layer's pages side by side).
+            strides ``(page_stride, head_dim + 4, 1)`` (``pool.index_pages(layer)``);
+            ``page_stride`` may span a whole packed row (every layer's pages side by side).
         slot_mapping: ``[num_tokens]`` int32/int64, ``slot = page * 64 + row``; ``-1`` skips
             the token (no byte written).
-        indexer_kv_dtype: ``"auto"`` or ``"fp8"``. ``"mxfp4"`` is refused: MXFP4 keys are
-            written only by :func:`fused_norm_store_indexer_keys`.
+        indexer_kv_dtype: ``None`` (read off the pages), ``"auto"``, ``"fp8"`` or an FP8
+            ``IndexerKeyFormat``. MXFP4 is refused: MXFP4 keys are written only by
+            :func:`fused_norm_store_indexer_keys`.
         impl: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
         check_slots: check on the host (one device sync) that every slot is ``-1`` or
             inside the pool, raising ``ValueError`` before anything is written. Pass
@@ -102,14 +142,12 @@ def store_indexer_keys(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch
         >>> store_indexer_keys(torch.randn(3, 128), pool, torch.tensor([0, 65, -1]))
     """
     head_dim = _check_keys(k)
-    fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
-    if fmt == "mxfp4":
-        raise ValueError(f"store_indexer_keys: {MXFP4_RULE}")
-    _check_pages(pages, head_dim, fmt)
+    fmt = _store_format(pages, head_dim, indexer_kv_dtype, fused=False)
+    _check_store_args(slot_mapping, check_slots)
     check_same_device(k=k, pages=pages, slot_mapping=slot_mapping)
     _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
     if use_triton(impl, k, pages, slot_mapping):
-        from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+        from dsacache.ops.indexer_k_cache.launch import launch_store
 
         launch_store(k, pages, slot_mapping, fmt)
     else:
@@ -118,7 +156,7 @@ def store_indexer_keys(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch
 
 def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                                   pages: torch.Tensor, slot_mapping: torch.Tensor,
-                                  indexer_kv_dtype: str = "fp8", *, eps: float = 1e-6,
+                                  indexer_kv_dtype: str | IndexerKeyFormat | None = None, *, eps: float = 1e-6,
                                   impl: str = "auto", check_slots: bool = True) -> None:
     """LayerNorm the keys, quantize them to FP8 or MXFP4 and store them: one launch.
 
@@ -137,12 +175,14 @@ def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: t
     Args:
         k: ``[num_tokens, head_dim]`` bf16, fp16 or fp32 keys (any strides).
         weight, bias: ``[head_dim]`` LayerNorm parameters (bf16, fp16 or fp32).
-        pages: the layer's paged view ``[num_pages, 64, entry]`` uint8, ``entry`` =
-            ``head_dim + 4`` (FP8) or ``head_dim / 2 + head_dim / 32`` (MXFP4, ``head_dim``
+        pages: the layer's paged view ``[num_pages, 64, entry]`` uint8 (``pool.index_pages(layer)``),
+            ``entry`` = ``head_dim + 4`` (FP8) or ``head_dim / 2 + head_dim / 32`` (MXFP4, ``head_dim``
             a multiple of 32); strides ``(page_stride, entry, 1)``.
         slot_mapping: ``[num_tokens]`` int32/int64, ``-1`` skips the token.
-        indexer_kv_dtype: ``"auto"``, ``"fp8"`` or ``"mxfp4"``.
-        eps, impl, check_slots: as in :func:`store_indexer_keys` (``eps`` >= 0).
+        indexer_kv_dtype: ``None`` (read off the pages), ``"auto"``, ``"fp8"``, ``"mxfp4"`` or an
+            ``IndexerKeyFormat``; a given format must match the pages.
+        eps: a finite number ``>= 0``.
+        impl, check_slots: as in :func:`store_indexer_keys`.
 
     A NaN anywhere in a key's input makes its whole normalized key NaN (LayerNorm mixes
     every element): FP8 stores NaN codes, MXFP4 stores +0 codes with scale byte 0.
@@ -152,35 +192,26 @@ def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: t
 
         >>> pool = torch.zeros(4, 64, 68, dtype=torch.uint8)
         >>> w, b = torch.ones(128), torch.zeros(128)
-        >>> fused_norm_store_indexer_keys(torch.randn(3, 128), w, b, pool, torch.tensor([0, 1, 2]), "mxfp4")
+        >>> fused_norm_store_indexer_keys(torch.randn(3, 128), w, b, pool, torch.tensor([0, 1, 2]))
     """
     head_dim = _check_keys(k)
-    fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
+    fmt = _store_format(pages, head_dim, indexer_kv_dtype, fused=True)
     _check_norm_params(weight, bias, head_dim, eps)
-    _check_pages(pages, head_dim, fmt)
+    _check_store_args(slot_mapping, check_slots)
     check_same_device(k=k, weight=weight, bias=bias, pages=pages, slot_mapping=slot_mapping)
     _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
     if use_triton(impl, k, pages, slot_mapping):
-        from dsacache.ops.indexer_k_cache.triton_kernels import launch_store
+        from dsacache.ops.indexer_k_cache.launch import launch_store
 
-        launch_store(k, pages, slot_mapping, fmt, weight.contiguous(), bias.contiguous(), eps)
+        launch_store(k, pages, slot_mapping, fmt, weight.contiguous(), bias.contiguous(), float(eps))
     else:
-        naive.fused_norm_store_indexer_keys(k, weight, bias, pages, slot_mapping, fmt, eps)
+        naive.fused_norm_store_indexer_keys(k, weight, bias, pages, slot_mapping, fmt, float(eps))
 
 
-def _entry_shapes(fmt: str, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per-token (value bytes, scale bytes) of a gathered entry."""
-    if fmt == "fp8":
-        return (head_dim,), (4,)
-    return (head_dim // 2,), (head_dim // MXFP4_GROUP_SIZE,)
-
-
-def _check_gather_metadata(block_table: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[1] == 0:
-        raise ValueError(f"block_table must be int32 [num_reqs, max_pages >= 1], got "
-                         f"{tuple(block_table.shape)} {block_table.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape[0] != block_table.shape[0] + 1:
-        raise ValueError(f"cu_seqlens must be int32 [num_reqs + 1] = [{block_table.shape[0] + 1}], got "
+def _check_cu_seqlens(cu_seqlens: object, num_reqs: int) -> None:
+    _check_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape[0] != num_reqs + 1:
+        raise ValueError(f"cu_seqlens must be int32 [num_reqs + 1] = [{num_reqs + 1}], got "
                          f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
 
 
@@ -192,21 +223,24 @@ def _checked_num_tokens(cu_seqlens: torch.Tensor) -> int:
     return cu[-1]
 
 
-def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor,
-                        indexer_kv_dtype: str, head_dim: int, *, num_tokens: int | None = None,
+def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor, head_dim: int,
+                        indexer_kv_dtype: str | IndexerKeyFormat | None = None, *, num_tokens: int | None = None,
                         impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Gather requests' cached keys out of the pages into contiguous rows (the prefill path).
 
     Request ``r`` owns output rows ``[cu_seqlens[r], cu_seqlens[r + 1])``; its row ``i`` is
     position ``i`` of the request, read from kernel page ``block_table[r, i // 64]``, row
-    ``i % 64``. A position whose block table entry is past the table or not a page of the
-    pool (e.g. ``-1``) gathers as zero bytes.
+    ``i % 64``. A position whose block is past the table or whose entry is not a page of
+    the pool (e.g. ``-1``) gathers as zero bytes (the rule of ``dsacache.runtime.block_table``).
 
     Args:
-        pages: the layer's paged view ``[num_pages, 64, entry]`` uint8.
-        block_table: ``[num_reqs, max_pages]`` int32 kernel page ids.
+        pages: the layer's paged view ``[num_pages, 64, entry]`` uint8 (``pool.index_pages(layer)``).
+        block_table: ``[num_reqs, max_pages]`` int32 kernel page ids, ``max_pages >= 1``.
         cu_seqlens: ``[num_reqs + 1]`` int32, ``0`` first, non-decreasing.
-        indexer_kv_dtype: ``"auto"``, ``"fp8"`` or ``"mxfp4"``; head_dim: the key width.
+        head_dim: the key width (the entry width alone does not tell the formats apart across
+            key widths: 68 B is FP8 at 64 and MXFP4 at 128).
+        indexer_kv_dtype: ``None`` (read off the pages), ``"auto"``, ``"fp8"``, ``"mxfp4"`` or an
+            ``IndexerKeyFormat``; a given format must match the pages.
         num_tokens: ``cu_seqlens[-1]`` if known (then ``cu_seqlens`` is trusted: no sync, for
             CUDA graphs); ``None`` reads and checks ``cu_seqlens`` on the host.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
@@ -219,52 +253,62 @@ def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqle
 
         >>> pool = torch.zeros(4, 64, 132, dtype=torch.uint8)
         >>> values, scales = gather_indexer_keys(pool, torch.tensor([[2, 0]], dtype=torch.int32),
-        ...                                      torch.tensor([0, 70], dtype=torch.int32), "fp8", 128)
+        ...                                      torch.tensor([0, 70], dtype=torch.int32), 128)
     """
-    fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
-    _check_pages(pages, head_dim, fmt)
-    _check_gather_metadata(block_table, cu_seqlens)
+    head_dim = _check_int("head_dim", head_dim, 1)
+    fmt = indexer_pages_format(pages, head_dim, indexer_kv_dtype)
+    check_block_table(block_table, min_width=1)
+    _check_cu_seqlens(cu_seqlens, block_table.shape[0])
     check_same_device(pages=pages, block_table=block_table, cu_seqlens=cu_seqlens)
     if num_tokens is None:
         num_tokens = _checked_num_tokens(cu_seqlens)
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+    num_tokens = _check_int("num_tokens", num_tokens, 0)
+    if num_tokens and block_table.shape[0] == 0:
+        raise ValueError(f"num_tokens={num_tokens} with no requests (block_table has 0 rows)")
     if not use_triton(impl, pages, block_table, cu_seqlens):
-        return naive.gather_indexer_keys(pages, block_table, cu_seqlens, fmt, head_dim, num_tokens)
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_gather
+        return naive.gather_indexer_keys(pages, block_table, cu_seqlens, fmt, num_tokens)
+    from dsacache.ops.indexer_k_cache.launch import launch_gather
 
-    value_shape, scale_shape = _entry_shapes(fmt, head_dim)
-    values = torch.empty((num_tokens, *value_shape), dtype=torch.uint8, device=pages.device)
-    scales = torch.empty((num_tokens, *scale_shape), dtype=torch.uint8, device=pages.device)
-    launch_gather(pages, block_table, cu_seqlens, values, scales)
-    if fmt == "fp8":
-        return values.view(torch.float8_e4m3fn), scales.view(torch.float32).squeeze(-1)
-    return values, scales
+    values = torch.empty((num_tokens, fmt.value_bytes), dtype=torch.uint8, device=pages.device)
+    scales = torch.empty((num_tokens, fmt.scale_bytes), dtype=torch.uint8, device=pages.device)
+    launch_gather(pages, block_table if block_table.stride(1) == 1 else block_table.contiguous(),
+                  cu_seqlens.contiguous(), values, scales, fmt)
+    return naive.typed_entries(values, scales, fmt)
 
 
-def _check_quantized(values: torch.Tensor, scales: torch.Tensor, fmt: str) -> int:
-    """Validate gathered (values, scales) and return head_dim."""
-    if values.dim() != 2 or values.shape[0] != scales.shape[0]:
+def _gathered_format(values: torch.Tensor, scales: torch.Tensor, indexer_kv_dtype) -> IndexerKeyFormat:
+    """The format of gathered ``(values, scales)``, named or read off ``values.dtype``, after checking them."""
+    _check_tensor("values", values)
+    _check_tensor("scales", scales)
+    if values.dim() != 2 or scales.dim() < 1 or values.shape[0] != scales.shape[0]:
         raise ValueError(f"values must be [num_tokens, width] matching scales, got {tuple(values.shape)} "
                          f"and {tuple(scales.shape)}")
-    if fmt == "fp8":
-        if values.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or scales.dim() != 1:
-            raise ValueError("FP8 keys are (values [T, D] float8_e4m3fn, scales [T] float32)")
-        return values.shape[1]
-    head_dim = values.shape[1] * 2
-    if head_dim % 32:
-        raise ValueError(f"MXFP4 head_dim={head_dim} (2 x values.shape[1]) must be a multiple of 32")
-    if values.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != (values.shape[0], head_dim // 32):
-        raise ValueError("MXFP4 keys are (packed [T, D/2] uint8, scales [T, D/32] uint8), D a multiple of 32")
-    return head_dim
+    if indexer_kv_dtype is None:
+        if values.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            raise ValueError(f"values.dtype={values.dtype}: gathered keys are float8_e4m3fn (fp8) or uint8 "
+                             "(mxfp4 pairs); pass indexer_kv_dtype")
+        indexer_kv_dtype = "fp8" if values.dtype == torch.float8_e4m3fn else "mxfp4"
+    name = indexer_kv_dtype.name if isinstance(indexer_kv_dtype, IndexerKeyFormat) else \
+        resolve_indexer_kv_dtype(indexer_kv_dtype)
+    # A gathered row is value_bytes wide: head_dim e4m3 codes (fp8) or head_dim / 2 e2m1 pairs (mxfp4).
+    fmt = IndexerKeyFormat.of(indexer_kv_dtype, values.shape[1] * (2 if name == "mxfp4" else 1))
+    if fmt.is_mxfp4:
+        if values.dtype != torch.uint8 or scales.dtype != torch.uint8 or \
+                tuple(scales.shape) != (values.shape[0], fmt.scale_bytes):
+            raise ValueError("MXFP4 keys are (packed [T, D/2] uint8, scales [T, D/32] uint8), D a multiple of 32")
+    elif values.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or scales.dim() != 1:
+        raise ValueError("FP8 keys are (values [T, D] float8_e4m3fn, scales [T] float32)")
+    return fmt
 
 
-def dequantize_indexer_keys(values: torch.Tensor, scales: torch.Tensor, indexer_kv_dtype: str = "fp8",
-                            *, impl: str = "auto") -> torch.Tensor:
+def dequantize_indexer_keys(values: torch.Tensor, scales: torch.Tensor,
+                            indexer_kv_dtype: str | IndexerKeyFormat | None = None, *,
+                            impl: str = "auto") -> torch.Tensor:
     """Decode gathered keys (as returned by :func:`gather_indexer_keys`) to fp32 ``[T, head_dim]``.
 
     FP8: ``value * scale``; MXFP4: each e2m1 value times ``2**(scale_byte - 127)`` of its
-    32-value group. Exact (every scale is a power of two).
+    32-value group. Exact (every scale is a power of two). ``indexer_kv_dtype=None`` reads
+    the format off ``values.dtype`` (float8_e4m3fn: FP8, uint8: MXFP4); a given one is checked.
 
     Example::
 
@@ -272,13 +316,12 @@ def dequantize_indexer_keys(values: torch.Tensor, scales: torch.Tensor, indexer_
         >>> dequantize_indexer_keys(values, torch.tensor([0.5, 2.0]))[:, 0]
         tensor([0.5000, 2.0000])
     """
-    fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
-    head_dim = _check_quantized(values, scales, fmt)
+    fmt = _gathered_format(values, scales, indexer_kv_dtype)
     check_same_device(values=values, scales=scales)
     if not use_triton(impl, values, scales):
         return naive.dequantize_indexer_keys(values, scales, fmt)
-    from dsacache.ops.indexer_k_cache.triton_kernels import launch_dequantize
+    from dsacache.ops.indexer_k_cache.launch import launch_dequantize
 
-    out = torch.empty((values.shape[0], head_dim), dtype=torch.float32, device=values.device)
+    out = torch.empty((values.shape[0], fmt.head_dim), dtype=torch.float32, device=values.device)
     launch_dequantize(values.contiguous().view(torch.uint8), scales.contiguous(), out, fmt)
     return out
