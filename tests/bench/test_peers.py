@@ -17,6 +17,8 @@ import torch
 from dsacache.bench import harness, peers
 from dsacache.bench.__main__ import SUITES, build_parser
 from dsacache.bench.harness import BenchRow
+from dsacache.formats.indexer_key import split_indexer_pages
+from dsacache.formats.key_format import IndexerKeyFormat
 from dsacache.ops.indexer_logits import per_row_context_lens
 
 ALL_PEERS = ("logits", "store", "topk", "sparse_mla")
@@ -246,7 +248,7 @@ def test_attach_peer_checks_then_times_with_the_given_timer():
                             timer=lambda fn: timed.append(fn()) or 0.25)
     assert timed == ["out"] and row.peer == "fake peer" and row.peer_ms == 0.25 and row.peer_note is None
     assert row.peer_ratio == 0.25
-    assert peers.attach_peer(_row(), None, lambda: pytest.fail("built"), _agree).peer is None
+    assert peers.attach_peer(_row(), None, lambda: pytest.fail("built"), _agree, timer=pytest.fail).peer is None
 
 
 def test_a_disagreeing_peer_is_reported_and_not_timed(capsys):
@@ -260,14 +262,14 @@ def test_a_failing_or_unsupported_peer_is_reported_not_fatal(capsys):
     def boom():
         raise RuntimeError("CUDA error: no kernel image\nmore")
 
-    row = peers.attach_peer(_row(), FakePeer(object()), lambda: boom, _agree)
+    row = peers.attach_peer(_row(), FakePeer(object()), lambda: boom, _agree, timer=pytest.fail)
     assert row.peer_ms is None and row.peer_note == "failed: RuntimeError: CUDA error: no kernel image"
     assert capsys.readouterr().err.count("\n") == 1
 
     def unsupported():
         raise peers.PeerUnsupported("H=12: no")
 
-    row = peers.attach_peer(_row(), FakePeer(object()), unsupported, _agree)
+    row = peers.attach_peer(_row(), FakePeer(object()), unsupported, _agree, timer=pytest.fail)
     assert row.peer_note == "not run: H=12: no" and capsys.readouterr().err == ""
 
     def no_capture(fn):
@@ -315,8 +317,65 @@ def test_median_ms_discards_warmup():
     assert harness.median_ms(lambda: next(times), warmup=2, rep=3) == 2.0
 
 
+def test_peer_for_reads_the_loaded_set():
+    import argparse
+
+    assert peers.peer_for(argparse.Namespace(), "topk") is None
+    assert peers.peer_for(argparse.Namespace(peers=None), "topk") is None
+    topk = peers.VllmTopk(object())
+    loaded = peers.PeerSet({"topk": topk, "store": peers.VllmKeyStore(None, "vc.so.xz not found")})
+    args = argparse.Namespace(peers=loaded)
+    assert peers.peer_for(args, "topk") is topk and peers.peer_for(args, "store") is None
+    assert peers.peer_for(args, "logits") is None
+
+
 @pytest.mark.parametrize("suite", list(SUITES))
 def test_every_suite_takes_peers(suite):
     parser = build_parser()
     assert parser.parse_args([suite]).peers is None
     assert parser.parse_args([suite, "--peers", "/x/.peers"]).peers == "/x/.peers"
+
+
+def _one_call(fn, *args, **kwargs):
+    fn()
+    return 1.0
+
+
+def _vllm_like_store(scale, stray):
+    """A stand-in for vLLM's op: dsacache's reference FP8 store into the contiguous cache
+    (the same bytes), of the keys times ``scale``; with ``stray``, one more byte written."""
+    from dsacache.ops.indexer_k_cache import store_indexer_keys
+
+    def op(k, cache, slots, block, scale_fmt):
+        store_indexer_keys(k * scale, cache, slots, impl="torch")
+        if stray:  # the first value byte of a slot no key goes to
+            free = min(set(range(cache.shape[0] * 64)) - set(slots.tolist()))
+            values, _ = split_indexer_pages(cache, IndexerKeyFormat("fp8", 128))
+            values[free // 64, free % 64, 0] = 1
+
+    return op
+
+
+@pytest.mark.parametrize("scale,stray,agrees", [(1, False, True), (4, False, False), (1, True, False)])
+def test_kcache_rows_carry_the_store_peer(scale, stray, agrees, monkeypatch, capsys):
+    import argparse
+
+    from dsacache.bench import k_cache
+
+    monkeypatch.setattr(k_cache, "time_graph", lambda fn: _one_call(fn) * 2)
+    monkeypatch.setattr(k_cache, "time_cuda", _one_call)
+    store = peers.VllmKeyStore(_vllm_like_store(scale, stray))
+    args = argparse.Namespace(tokens=[1, 100], sweep=False, ceiling_gbps=4000.0,
+                              peers=peers.PeerSet({"store": store}))
+    rows = k_cache.store_rows(args, "fp8", (0.001, 0.001), device="cpu")
+    with_peer = [row for row in rows if row.peer is not None]
+    assert [(row.op, row.shape.split()[0]) for row in with_peer] == [("store fp8 plain", "T=1"),
+                                                                   ("store fp8 plain", "T=100")]
+    for row in with_peer:
+        assert row.peer == "vLLM indexer_k_quant_and_cache"
+        if agrees:
+            assert row.peer_ms == 2.0 and row.peer_note is None and row.as_dict()["peer_ratio"] == 1.0
+        else:
+            assert row.peer_ms is None and row.peer_note.startswith("disagrees with the reference")
+            assert ("outside the slots" in row.peer_note) == stray
+    assert capsys.readouterr().err.count("disagrees") == (0 if agrees else 2)

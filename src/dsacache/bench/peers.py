@@ -11,8 +11,8 @@
 A file that is missing or fails to load makes its peers unavailable: :func:`load_peers` says
 so in one line on stderr per peer, and the suites skip them. A suite builds a peer's call on
 its own inputs after its own correctness check, checks the peer's output against the same
-reference and times it with :func:`dsacache.bench.harness.time_graph`, all in
-:func:`attach_peer`; a peer that fails or disagrees is reported on the row, never timed.
+reference and times it with the suite's own timer
+(:func:`dsacache.bench.harness.time_graph`), all in :func:`attach_peer`; a peer that fails or disagrees is reported on the row, never timed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from dsacache.bench.harness import BenchRow, time_graph
+from dsacache.bench.harness import BenchRow
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 
 #: Bytes of the scratch buffer vLLM's persistent top-k takes (its caller owns it).
@@ -341,16 +341,23 @@ def _op_peer(cls: type[Peer], library: object | None, why: str, resolve: Callabl
     return cls(op, f"{cls.pack_file} loaded but has no such op ({op_why})" if op is None else "")
 
 
+def peer_for(args, key: str) -> Peer | None:
+    """The loaded peer ``key`` of a suite's ``args.peers`` (None without ``--peers`` or when it did not load)."""
+    peer_set = getattr(args, "peers", None)
+    return peer_set.get(key) if peer_set is not None else None
+
+
 def attach_peer(row: BenchRow, peer: Peer | None, make_call: Callable[[], Callable[[], object]],
                 agreement: Callable[[object], tuple[bool, str]],
-                timer: Callable[[Callable[[], object]], float] = time_graph) -> BenchRow:
+                timer: Callable[[Callable[[], object]], float]) -> BenchRow:
     """Put ``peer``'s side on ``row``: build its call, check its output, time it the same way.
 
     ``make_call()`` builds the peer's call on the row's own inputs (``peer.make_call(...)``);
     its first run (outside the timing: DeepGEMM compiles then) gives the output that
-    ``agreement(out) -> (agrees, note)`` judges against the suite's reference. A peer that
-    cannot take the case, fails, or disagrees gets a note on the row and no time. Without
-    ``peer`` (not asked for, or not loaded) the row is returned as it is.
+    ``agreement(out) -> (agrees, note)`` judges against the suite's reference. ``timer`` is
+    the one that timed the row (:func:`dsacache.bench.harness.time_graph`). A peer that cannot
+    take the case, fails, or disagrees gets a note on the row and no time. Without ``peer``
+    (not asked for, or not loaded) the row is returned as it is.
     """
     if peer is None:
         return row
