@@ -1,6 +1,8 @@
 """Top-k and positions -> slots: Triton (interpreter on CPU, compiled on CUDA) against the
 PyTorch reference, and both against torch.topk (as sets, never by raw order)."""
 
+import re
+
 import pytest
 import torch
 
@@ -86,19 +88,20 @@ def test_triton_equals_reference_exactly(k, length):
     check_valid(out, lens, k)
 
 
-def launch_small(logits, lens, k, config):
-    """launch_topk on small buffers; the output must equal the PyTorch reference exactly."""
-    from dsacache.ops.topk.triton_kernels import launch_topk
+def launch_small(logits, lens, k, settings):
+    """launch_topk on small buffers (``settings``: TopkConfig fields); the output must equal
+    the PyTorch reference exactly."""
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk
 
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=DEVICE)
-    launch_topk(logits, lens, torch.zeros_like(lens), out, config)
+    launch_topk(logits, lens, torch.zeros_like(lens), out, TopkConfig(**settings))
     assert torch.equal(out, topk_indices(logits, lens, k, impl="torch"))
     return out
 
 
 def branch_rows(k, width, samples):
-    """Rows that reach every branch with SAMPLES=samples and CAP=512, SPLITS=4 (v2's runs of
-    8 samples: 4 runs at width 600)."""
+    """Rows that reach every branch with samples=samples, cap=512 and progs=4 (runs of 8
+    samples: 4 runs at width 600)."""
     logits = torch.randn(12, width, device=DEVICE)
     logits[1] = 1.0                                     # too many candidates: ties
     logits[1, ::7] = 2.0
@@ -106,7 +109,7 @@ def branch_rows(k, width, samples):
     for g in range(4):
         logits[2, g * (width // 4):g * (width // 4) + 8] += 10.0
     stride = 500 // samples
-    logits[3] = torch.rand(width, device=DEVICE)        # too few for v1's strided samples
+    logits[3] = torch.rand(width, device=DEVICE)        # fewer large values than k, evenly strided
     logits[3, :samples * stride:stride] += 10.0
     logits[4] = torch.arange(width, device=DEVICE).float()  # skewed: every candidate in the last split
     logits[5] = torch.randint(0, 60, (width,), device=DEVICE).float()  # ties at the cut, in registers
@@ -119,34 +122,31 @@ def branch_rows(k, width, samples):
     return logits, lens
 
 
-@pytest.mark.parametrize("algo,extra", [("v1", {}), ("v2", {"STREAMS": 1}), ("v2", {"STREAMS": 4}),
-                                        ("v2", {"STREAMS": 8}), ("v3", {"V": 1, "TIES": 8}),
-                                        ("v3", {"V": 2, "TIES": 32}), ("v3", {"V": 2, "LOAD": 8}),
-                                        ("v3", {"V": 4, "LOAD": 128}), ("v3", {"V": 2, "AHEAD": 2})])
-def test_every_kernel_branch_with_small_buffers(algo, extra):
+@pytest.mark.parametrize("extra", [{"vec": 1, "ties": 8}, {"vec": 2, "ties": 32}, {"vec": 2, "load": 8},
+                                   {"vec": 4, "load": 128}, {"vec": 2, "ahead": 2}])
+def test_every_kernel_branch_with_small_buffers(extra):
     """Short rows (n < k, n == k, k - 1), the direct radix, the sampled cut-off, both
     fallbacks (too many candidates: ties; too few: the largest values sit exactly on the
-    sampled positions), the skewed row (v2: gather of one or several streams a split; v3:
-    the row filtered again, densely), the chosen bin ranked pairwise or by radix passes
-    (v3, TIES 8 and 32), v3's select loading a few slots a segment first (LOAD 8: most rows then
-    reload whole segments) or all of them, NaN and all -inf rows."""
+    sampled positions), the skewed row (filtered again, densely), the chosen bin ranked
+    pairwise or by radix passes (ties 8 and 32), the select loading a few slots a segment
+    first (load 8: most rows then reload whole segments) or all of them, NaN and all -inf rows."""
     pytest.importorskip("triton")
     k, samples = 40, 32
     logits, lens = branch_rows(k, 600, samples)
     lens[0] = k + 1  # direct radix on a row too short to sample
-    config = {"algo": algo, "BLOCK": 64, "CAP": 512, "SAMPLES": samples, "SPLITS": 4, "PROGS": 4, "BINS": 64, **extra}
-    launch_small(logits, lens, k, config)
+    settings = dict(block=64, cap=512, samples=samples, progs=4, bins=64, **extra)
+    launch_small(logits, lens, k, settings)
     lens[0] = 600
-    launch_small(logits, lens, k, config)
+    launch_small(logits, lens, k, settings)
 
 
 @pytest.mark.parametrize("start", [0, 37])
-def test_v3_skewed_rows_refilter_only_overflowed_slices(start):
+def test_skewed_rows_refilter_only_overflowed_slices(start):
     """Skewed rows (candidates piling up towards the end): the segments that overflowed are
     filtered again from their own slices, the others copied; with row starts that are not tile
     aligned (slice 0 begins before the row), the output equals the reference exactly."""
     pytest.importorskip("triton")
-    from dsacache.ops.topk.triton_kernels import launch_topk
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk
 
     k, width = 200, 1500
     gen = torch.Generator().manual_seed(3)
@@ -156,14 +156,13 @@ def test_v3_skewed_rows_refilter_only_overflowed_slices(start):
     logits[2, 600:700] += 5.0                                         # one hot slice in the middle
     starts = torch.full((4,), start, dtype=torch.int32, device=DEVICE)
     lens = torch.full((4,), width - start, dtype=torch.int32, device=DEVICE)
-    config = {"BLOCK": 64, "CAP": 1024, "SAMPLES": 256, "PROGS": 8, "BINS": 64, "V": 4, "select": "triton"}
+    config = TopkConfig(block=64, cap=1024, samples=256, progs=8, bins=64, vec=4, select="triton")
     out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
     launch_topk(logits, lens, starts, out, config)
     assert torch.equal(out, topk_indices(logits, lens, k, row_starts=starts, impl="torch"))
 
 
-@pytest.mark.parametrize("algo", ["v2", "v3"])
-def test_register_path_with_ties_and_the_open_last_bin(algo):
+def test_register_path_with_ties_and_the_open_last_bin():
     """In registers: a row whose candidates are heavily tied at the cut, and one whose k-th
     key lies far above the sampled maximum (the histogram's open last bin)."""
     pytest.importorskip("triton")
@@ -174,12 +173,11 @@ def test_register_path_with_ties_and_the_open_last_bin(algo):
     logits[1] = 1.0
     logits[1, ::7] = 2.0
     lens = torch.full((2,), width, dtype=torch.int32, device=DEVICE)
-    launch_small(logits, lens, k, {"algo": algo, "BLOCK": 64, "CAP": 1024, "SAMPLES": 32, "SPLITS": 4, "PROGS": 4,
-                                   "BINS": 64, "V": 1})
+    launch_small(logits, lens, k, dict(block=64, cap=1024, samples=32, progs=4, bins=64, vec=1))
 
 
-def test_v3_signed_zeros_and_nan_at_the_cut():
-    """v3 tests candidates on the float: a cut-off at +0.0 is lowered to -0.0 (so -0.0, which
+def test_signed_zeros_and_nan_at_the_cut():
+    """The filter tests candidates on the float: a cut-off at +0.0 is lowered to -0.0 (so -0.0, which
     ranks below +0.0, still counts) and a NaN cut-off is raised to -inf (NaN ranks last)."""
     pytest.importorskip("triton")
     k, width = 40, 600
@@ -191,28 +189,21 @@ def test_v3_signed_zeros_and_nan_at_the_cut():
     logits[2] = float("nan")
     logits[2, ::9] = torch.randn(67, device=DEVICE)     # a row mostly NaN
     lens = torch.full((3,), width, dtype=torch.int32, device=DEVICE)
-    launch_small(logits, lens, k, {"algo": "v3", "BLOCK": 64, "CAP": 512, "SAMPLES": 32, "PROGS": 4, "BINS": 64,
-                                   "V": 2})
+    launch_small(logits, lens, k, dict(block=64, cap=512, samples=32, progs=4, bins=64, vec=2))
 
 
-def test_algorithms_agree_on_random_rows():
+def test_small_buffers_with_row_starts_on_random_rows():
     pytest.importorskip("triton")
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk
+
     k, width = 24, 1000
     logits = torch.randn(4, width, device=DEVICE)
     logits[1] = torch.randint(-20, 20, (width,), device=DEVICE).float()
     lens = torch.tensor([1000, 999, 700, 333], dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, 1, 299, 13], dtype=torch.int32, device=DEVICE)
-    ref = topk_indices(logits, lens, k, row_starts=starts, impl="torch")
-    outs = []
-    for algo in ("v1", "v2", "v3"):
-        from dsacache.ops.topk.triton_kernels import launch_topk
-
-        out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
-        launch_topk(logits, lens, starts, out, {"algo": algo, "BLOCK": 128, "CAP": 256, "SAMPLES": 64, "SPLITS": 2,
-                                                "PROGS": 2, "BINS": 128, "V": 2})
-        assert torch.equal(out, ref), algo
-        outs.append(out)
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
+    launch_topk(logits, lens, starts, out, TopkConfig(block=128, cap=256, samples=64, progs=2, bins=128, vec=2))
+    assert torch.equal(out, topk_indices(logits, lens, k, row_starts=starts, impl="torch"))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -251,17 +242,109 @@ def test_row_starts_are_prefill_windows(impl):
         assert as_sets(out[row:row + 1]) == as_sets(expected[None])
 
 
-def test_topk_validation():
-    logits = torch.zeros(2, 10)
-    lens = torch.tensor([3, 4], dtype=torch.int32)
-    with pytest.raises(ValueError, match="k=0"):
-        topk_indices(logits, lens, k=0)
-    with pytest.raises(ValueError, match="k=4097"):
-        topk_indices(logits, lens, k=4097)
-    with pytest.raises(ValueError, match="seq_lens"):
-        topk_indices(logits, lens[:1], k=2)
-    with pytest.raises(ValueError, match="logits"):
-        topk_indices(logits.double(), lens, k=2)
+def topk_edge(case, device):
+    """(logits, seq_lens, row_starts, k, expected output) of an edge case both paths must agree on."""
+    i32 = dict(dtype=torch.int32, device=device)
+    ramp = torch.arange(5.0, device=device)[None, :]
+    if case == "zero-width logits":
+        return torch.zeros(2, 0, device=device), torch.tensor([3, 0], **i32), None, 4, [[-1] * 4] * 2
+    if case == "zero rows":
+        return torch.zeros(0, 10, device=device), torch.zeros(0, **i32), None, 4, torch.zeros(0, 4)
+    if case == "zero rows, zero width":
+        return torch.zeros(0, 0, device=device), torch.zeros(0, **i32), None, 4, torch.zeros(0, 4)
+    if case == "k larger than the width":
+        return ramp, torch.tensor([5], **i32), None, 8, [[0, 1, 2, 3, 4, -1, -1, -1]]
+    if case == "lengths past the width":
+        return ramp.repeat(2, 1), torch.tensor([9, 2**31 - 1], **i32), None, 3, [[2, 3, 4], [2, 3, 4]]
+    if case == "negative lengths":
+        return ramp.repeat(2, 1), torch.tensor([-1, -(2**31)], **i32), None, 3, [[-1] * 3] * 2
+    if case == "starts past the width, negative starts":
+        return (ramp.repeat(3, 1), torch.tensor([5, 5, 2], **i32), torch.tensor([5, -4, 7], **i32), 2,
+                [[-1, -1], [3, 4], [-1, -1]])
+    raise AssertionError(case)
+
+
+TOPK_EDGES = ["zero-width logits", "zero rows", "zero rows, zero width", "k larger than the width",
+              "lengths past the width", "negative lengths", "starts past the width, negative starts"]
+
+
+@pytest.mark.parametrize("case", TOPK_EDGES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_topk_edges_give_the_same_answer_on_both_paths(impl, case):
+    logits, lens, starts, k, expected = topk_edge(case, DEVICE)
+    out = run_topk(impl, logits, lens, k, row_starts=starts)
+    assert out.shape == (logits.shape[0], k)
+    assert out.tolist() == torch.as_tensor(expected).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TOPK_EDGES)
+def test_topk_edges_gpu(case):
+    logits, lens, starts, k, expected = topk_edge(case, "cuda")
+    for impl in ("triton", "torch"):
+        assert run_topk(impl, logits, lens, k, row_starts=starts).tolist() == torch.as_tensor(expected).tolist()
+
+
+def bad_topk_call(case):
+    """(arguments of topk_indices with one wrong, the argument the refusal must name)."""
+    logits = torch.zeros(2, 10, device=DEVICE)
+    lens = torch.tensor([3, 4], dtype=torch.int32, device=DEVICE)
+    good = dict(logits=logits, seq_lens=lens, k=2)
+    wrong = {
+        "logits float16": ("logits", dict(logits=logits.half())),
+        "logits float64": ("logits", dict(logits=logits.double())),
+        "logits 1-D": ("logits", dict(logits=logits[0])),
+        "logits a list": ("logits", dict(logits=logits.tolist())),
+        "seq_lens float": ("seq_lens", dict(seq_lens=lens.float())),
+        "seq_lens uint8": ("seq_lens", dict(seq_lens=lens.to(torch.uint8))),
+        "seq_lens one short": ("seq_lens", dict(seq_lens=lens[:1])),
+        "seq_lens [R, 1]": ("seq_lens", dict(seq_lens=lens[:, None])),
+        "seq_lens a list": ("seq_lens", dict(seq_lens=[3, 4])),
+        "row_starts a list": ("row_starts", dict(row_starts=[0, 0])),
+        "row_starts int16": ("row_starts", dict(row_starts=lens.to(torch.int16))),
+        "k 0": ("k=0", dict(k=0)),
+        "k 4097": ("k=4097", dict(k=4097)),
+        "k a float": ("k=2.0", dict(k=2.0)),
+        "k a string": ("k='2'", dict(k="2")),
+        "k a bool": ("k=True", dict(k=True)),
+        "k a tensor": ("k=tensor", dict(k=torch.tensor(2))),
+        "out int64": ("out", dict(out=torch.zeros(2, 2, dtype=torch.int64, device=DEVICE))),
+        "out too small": ("out", dict(out=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))),
+        "out not contiguous": ("out", dict(out=torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)[:, ::2])),
+        "out a list": ("out", dict(out=[[0, 0], [0, 0]])),
+    }[case]
+    return {**good, **wrong[1]}, wrong[0]
+
+
+TOPK_REFUSALS = ["logits float16", "logits float64", "logits 1-D", "logits a list", "seq_lens float",
+                 "seq_lens uint8", "seq_lens one short", "seq_lens [R, 1]", "seq_lens a list", "row_starts a list",
+                 "row_starts int16", "k 0", "k 4097", "k a float", "k a string", "k a bool", "k a tensor",
+                 "out int64", "out too small", "out not contiguous", "out a list"]
+
+
+@pytest.mark.parametrize("case", TOPK_REFUSALS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_topk_refuses_the_same_on_both_paths(impl, case):
+    """A ValueError naming the argument, before anything is written (a given ``out`` keeps its bytes)."""
+    kwargs, name = bad_topk_call(case)
+    sentinel = None
+    if "out" not in kwargs:
+        kwargs["out"] = sentinel = torch.full((2, 2), -7, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape(name)):
+        topk_indices(**kwargs, impl=impl)
+    assert sentinel is None or (sentinel == -7).all()
+
+
+def test_topk_refuses_an_unknown_impl_or_launch_setting():
+    pytest.importorskip("triton")
+    from dsacache.ops.topk.launch import TopkConfig
+
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        topk_indices(torch.zeros(1, 4), torch.tensor([4], dtype=torch.int32), 2, impl="cuda")
+    with pytest.raises(ValueError, match="select='fast'"):
+        TopkConfig(select="fast")
+    with pytest.raises(ValueError, match="ahead=3"):
+        TopkConfig(ahead=3)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -293,6 +376,78 @@ def test_topk_then_slots_random(impl):
     assert torch.equal(ok, (positions >= 0) & (page >= 0) & (page < 90))
 
 
+def slots_edge(case, device):
+    """(positions, block_table, next_n, num_pages, expected slots) of an edge case."""
+    i32 = dict(dtype=torch.int32, device=device)
+    positions = torch.tensor([[0, 64, 130, -1], [63, 2**31 - 1, -(2**31), 127]], **i32)
+    table = torch.tensor([[1, 2]], **i32)
+    if case == "zero rows":
+        return torch.zeros(0, 4, **i32), torch.zeros(0, 2, **i32), 1, None, torch.zeros(0, 4)
+    if case == "zero columns":
+        return torch.zeros(2, 0, **i32), table, 2, None, torch.zeros(2, 0)
+    if case == "zero-width table":
+        return positions, torch.zeros(1, 0, **i32), 2, None, [[-1] * 4] * 2
+    if case == "no pages":
+        return positions, table, 2, 0, [[-1] * 4] * 2
+    if case == "extreme positions":
+        return positions, table, 2, None, [[64, 128, -1, -1], [127, -1, -1, 191]]
+    if case == "entries past the int32 slots":
+        return positions, torch.tensor([[2**25, 2**25 - 1]], **i32), 2, None, \
+            [[-1, 2**31 - 64, -1, -1], [-1, -1, -1, 2**31 - 1]]
+    raise AssertionError(case)
+
+
+SLOTS_EDGES = ["zero rows", "zero columns", "zero-width table", "no pages", "extreme positions",
+               "entries past the int32 slots"]
+
+
+@pytest.mark.parametrize("case", SLOTS_EDGES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_positions_to_slots_edges_give_the_same_answer_on_both_paths(impl, case):
+    positions, table, next_n, num_pages, expected = slots_edge(case, DEVICE)
+    out = positions_to_slots(positions, table, next_n=next_n, num_pages=num_pages, impl=impl)
+    assert out.dtype == torch.int32 and out.shape == positions.shape
+    assert out.tolist() == torch.as_tensor(expected).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SLOTS_EDGES)
+def test_positions_to_slots_edges_gpu(case):
+    positions, table, next_n, num_pages, expected = slots_edge(case, "cuda")
+    for impl in ("triton", "torch"):
+        out = positions_to_slots(positions, table, next_n=next_n, num_pages=num_pages, impl=impl)
+        assert out.tolist() == torch.as_tensor(expected).tolist()
+
+
+SLOTS_REFUSALS = {
+    "positions int64": ("positions", dict(positions=torch.zeros(2, 3, dtype=torch.int64))),
+    "positions 1-D": ("positions", dict(positions=torch.zeros(6, dtype=torch.int32))),
+    "positions a list": ("positions", dict(positions=[[0, 1, 2]] * 2)),
+    "block_table int64": ("block_table", dict(block_table=torch.zeros(1, 2, dtype=torch.int64))),
+    "block_table a list": ("block_table", dict(block_table=[[1, 2]])),
+    "block_table rows": ("block_table", dict(block_table=torch.zeros(2, 2, dtype=torch.int32))),
+    "next_n 0": ("next_n=0", dict(next_n=0)),
+    "next_n a float": ("next_n=2.0", dict(next_n=2.0)),
+    "next_n a bool": ("next_n=True", dict(next_n=True)),
+    "next_n not dividing": ("next_n=3", dict(next_n=3)),
+    "num_pages negative": ("num_pages=-1", dict(num_pages=-1)),
+    "num_pages a float": ("num_pages=2.5", dict(num_pages=2.5)),
+    "num_pages past int32 slots": ("num_pages=33554433", dict(num_pages=2**25 + 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(SLOTS_REFUSALS))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_positions_to_slots_refuses_the_same_on_both_paths(impl, case):
+    name, wrong = SLOTS_REFUSALS[case]
+    good = dict(positions=torch.zeros(2, 3, dtype=torch.int32), block_table=torch.zeros(1, 2, dtype=torch.int32),
+                next_n=2)
+    kwargs = {key: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+              for key, value in {**good, **wrong}.items()}
+    with pytest.raises(ValueError, match=re.escape(name)):
+        positions_to_slots(**kwargs, impl=impl)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("length", [2047, 2049, 20_000, 131_072])
 @pytest.mark.parametrize("k", [2048, 4096])
@@ -316,10 +471,10 @@ def test_topk_gpu_matches_reference_and_topk_sets(length, k):
 @pytest.mark.parametrize("rows, length, pdl", [(3, 20_000, True), (64, 131_072, True), (256, 32_768, True),
                                                (64, 32_768, False)])
 def test_gluon_select_matches_reference(rows, length, pdl):
-    """The Gluon ballot select (v3 step 3 on Hopper) on the rows it takes (random rows, ties
+    """The Gluon ballot select (the select step on Hopper) on the rows it takes (random rows, ties
     inside the chosen bin) writes the reference's output element for element; the rows it leaves
     (heavy ties, a sorted row, short rows) are finished by the Triton select."""
-    from dsacache.ops.topk.triton_kernels import _gluon_select, launch_topk
+    from dsacache.ops.topk.launch import TopkConfig, _use_gluon, launch_topk
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the Gluon select runs on Hopper and newer")
@@ -329,7 +484,7 @@ def test_gluon_select_matches_reference(rows, length, pdl):
     lens = torch.full((rows,), length, dtype=torch.int32, device="cuda")
     ref = run_topk("torch", logits, lens, k)
     only = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-    launch_topk(logits, lens, None, only, {"select": "gluon-only", "pdl": pdl})
+    launch_topk(logits, lens, None, only, TopkConfig(select="gluon-only", pdl=pdl))
     taken = (only != -7).all(dim=1)
     assert taken.float().mean() > 0.9, "the Gluon select left most random rows"
     assert torch.equal(only[taken], ref[taken])
@@ -341,9 +496,9 @@ def test_gluon_select_matches_reference(rows, length, pdl):
     ref = run_topk("torch", logits, lens, k)
     for _ in range(3):
         out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-        launch_topk(logits, lens, None, out, {"pdl": pdl})
+        launch_topk(logits, lens, None, out, TopkConfig(pdl=pdl))
         assert torch.equal(out, ref)
-    assert _gluon_select({"select": "gluon", "TIES": 32}, logits, 64, 128, 8, 2048)
+    assert _use_gluon(TopkConfig(), logits, 64, 128)
 
 
 def test_gluon_select_compiles_for_hopper():
@@ -355,7 +510,7 @@ def test_gluon_select_compiles_for_hopper():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from dsacache.ops.topk.gluon_kernels import topk_select_ballot_kernel as kernel
+from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel as kernel
 
 pointers = ["lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr", "counts_ptr",
             "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]

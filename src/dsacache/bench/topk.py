@@ -24,38 +24,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--len", dest="lens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("-k", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time a few launch settings per shape")
-    parser.add_argument("--algo", nargs="+", default=[], choices=["v1", "v2", "v3"],
-                        help="also time these top-k algorithms (the default is v3)")
     parser.add_argument("--dist", nargs="+", default=["randn"], choices=list(DISTRIBUTIONS),
                         help="logits rows to time (each checked first): " + "; ".join(
                             f"{name}: {what}" for name, what in DISTRIBUTIONS.items()))
     parser.add_argument("--kernel-times", action="store_true",
-                        help="with --algo: each kernel's own time from the CUDA profiler (run last: the "
-                             "profiler slows the launches timed after it)")
+                        help="after every timing (the profiler slows later launches): each kernel's "
+                             "own time from the CUDA profiler")
 
 
-SWEEP = [{"algo": "v3", "select": "triton"}, {"algo": "v3", "pdl": False}, {"algo": "v3", "gluon_select_warps": 16}, {"algo": "v3", "select_warps": 16}, {"algo": "v3", "select_warps": 8},
-         {"algo": "v3", "V": 4}, {"algo": "v3", "SAMPLE_BITS": 8}, {"algo": "v3", "SAMPLES": 1024},
-         {"algo": "v3", "TIES": 64}, {"algo": "v2"}, {"algo": "v1", "SPLITS": 1}]
+#: Launch settings ``--sweep`` times beside the defaults (``TopkConfig`` fields).
+SWEEP = [{"select": "triton"}, {"pdl": False}, {"gluon_select_warps": 16}, {"select_warps": 16},
+         {"select_warps": 8}, {"vec": 4}, {"sample_bits": 8}, {"samples": 1024}, {"ties": 64}]
 
 
 def run_sweep(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.Tensor) -> None:
-    from dsacache.ops.topk.triton_kernels import launch_topk
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk
 
     starts = None  # as topk_indices passes it without row_starts
     out = torch.empty(logits.shape[0], k, dtype=torch.int32, device="cuda")
-    for cfg in SWEEP:
+    for settings in SWEEP:
+        cfg = TopkConfig(**settings)
         launch_topk(logits, seq_lens, starts, out, cfg)
         ms = time_graph(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
-        print(f"sweep topk {tuple(logits.shape)} {cfg}: {ms * 1e3:.1f} us"
+        print(f"sweep topk {tuple(logits.shape)} {settings}: {ms * 1e3:.1f} us"
               f"{'' if torch.equal(out, ref) else ' WRONG'}", flush=True)
-
-
-def select_kernel(logits: torch.Tensor, k: int) -> str:
-    """Which v3 select step runs first on these rows with the default settings: "gluon" or "triton"."""
-    from dsacache.ops.topk import triton_kernels
-
-    return triton_kernels.select_kernel(triton_kernels.TOPK_CONFIG, logits, k)
 
 
 def kernel_times_us(fn, reps: int = 20) -> dict[str, float]:
@@ -71,25 +63,11 @@ def kernel_times_us(fn, reps: int = 20) -> dict[str, float]:
     return {e.key: e.device_time_total / reps for e in prof.key_averages() if e.device_time_total > 0}
 
 
-def run_algos(logits: torch.Tensor, seq_lens: torch.Tensor, k: int, ref: torch.Tensor, algos: list[str],
-              kernel_times: bool = False) -> None:
-    """Time each algorithm (CUDA graph); with ``kernel_times``, also its kernels' own times."""
-    from dsacache.ops.topk.triton_kernels import launch_topk
-
-    starts = None  # as topk_indices passes it without row_starts
-    out = torch.empty(logits.shape[0], k, dtype=torch.int32, device="cuda")
-    for algo in algos:
-        cfg = {"algo": algo}
-        launch_topk(logits, seq_lens, starts, out, cfg)
-        if not torch.equal(out, ref):
-            print(f"algo {algo} {tuple(logits.shape)}: WRONG, not timed", flush=True)
-            continue
-        ms = time_graph(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
-        parts = ""
-        if kernel_times:
-            kernels = kernel_times_us(lambda: launch_topk(logits, seq_lens, starts, out, cfg))
-            parts = "; kernels: " + ", ".join(f"{name} {us:.1f} us" for name, us in kernels.items())
-        print(f"algo {algo} {tuple(logits.shape)}: {ms * 1e3:.1f} us (graph){parts}", flush=True)
+def print_kernel_times(logits: torch.Tensor, seq_lens: torch.Tensor, k: int) -> None:
+    """Each kernel's own device time of one default top-k launch (CUDA profiler)."""
+    kernels = kernel_times_us(lambda: topk_indices(logits, seq_lens, k))
+    print(f"kernels topk {tuple(logits.shape)}: " + ", ".join(f"{name} {us:.1f} us" for name, us in kernels.items()),
+          flush=True)
 
 
 #: Logits rows the bench can time (``--dist``): what each stresses in the kernels.
@@ -141,6 +119,8 @@ def check_slots(positions: torch.Tensor, block_table: torch.Tensor) -> None:
 
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
+    from dsacache.ops.topk.launch import select_kernel
+
     rows: list[BenchRow] = []
     for batch, length, dist in itertools.product(args.batch, args.lens, args.dist):
         logits, seq_lens = make_logits(batch, length, dist=dist)
@@ -156,8 +136,6 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
         print(rows[-1].line(), flush=True)
 
         positions = topk_indices(logits, seq_lens, args.k)
-        if args.algo:
-            run_algos(logits, seq_lens, args.k, positions, args.algo, args.kernel_times)
         if args.sweep:
             run_sweep(logits, seq_lens, args.k, positions)
         blocks = length // KERNEL_PAGE_SIZE
@@ -166,4 +144,7 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
         ms = time_graph(lambda: positions_to_slots(positions, table))
         rows.append(BenchRow("positions_to_slots", shape, ms, 2 * positions.numel() * 4, args.ceiling_gbps))
         print(rows[-1].line(), flush=True)
+    if args.kernel_times:
+        for batch, length, dist in itertools.product(args.batch, args.lens, args.dist):
+            print_kernel_times(*make_logits(batch, length, dist=dist), args.k)
     return rows

@@ -24,32 +24,16 @@ from dsacache.dispatch import check_same_device, use_triton
 from dsacache.formats.indexer_key import indexer_pages_format
 from dsacache.formats.key_format import IndexerKeyFormat, resolve_indexer_kv_dtype
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.ops.checks import check_flag, check_int, check_slot_mapping, check_tensor
 from dsacache.ops.indexer_k_cache import naive
 from dsacache.runtime.block_table import check_block_table
 
 KEY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 MXFP4_RULE = (
     "indexer_kv_dtype='mxfp4' is written only by the fused LayerNorm insert "
     "(fused_norm_store_indexer_keys; docs/planning.md, format choice)"
 )
-
-
-def _check_tensor(name: str, value: object) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_keys(k: torch.Tensor) -> int:
@@ -75,29 +59,9 @@ def _store_format(pages: torch.Tensor, head_dim: int, indexer_kv_dtype, *, fused
     return fmt
 
 
-def _check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_pages: int, check_slots: bool) -> None:
-    if slot_mapping.dim() != 1 or slot_mapping.dtype not in INDEX_DTYPES:
-        raise ValueError(
-            f"slot_mapping must be 1-D int32 or int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
-        )
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
-    if slot_mapping.stride(0) != 1 and num_tokens > 1:
-        raise ValueError("slot_mapping must be contiguous")
-    if not check_slots or num_tokens == 0:
-        return
-    low, high = (int(v) for v in torch.aminmax(slot_mapping))
-    num_slots = num_pages * KERNEL_PAGE_SIZE
-    if low < -1 or high >= num_slots:
-        raise ValueError(
-            f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) for {num_pages} pages; "
-            f"got min {low}, max {high}"
-        )
-
-
 def _check_store_args(slot_mapping: object, check_slots: object) -> None:
-    _check_tensor("slot_mapping", slot_mapping)
-    _check_flag("check_slots", check_slots)
+    check_tensor("slot_mapping", slot_mapping)
+    check_flag("check_slots", check_slots)
 
 
 def _check_norm_params(weight: torch.Tensor, bias: torch.Tensor, head_dim: int, eps: float) -> None:
@@ -145,7 +109,7 @@ def store_indexer_keys(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch
     fmt = _store_format(pages, head_dim, indexer_kv_dtype, fused=False)
     _check_store_args(slot_mapping, check_slots)
     check_same_device(k=k, pages=pages, slot_mapping=slot_mapping)
-    _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
+    check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
     if use_triton(impl, k, pages, slot_mapping):
         from dsacache.ops.indexer_k_cache.launch import launch_store
 
@@ -199,7 +163,7 @@ def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: t
     _check_norm_params(weight, bias, head_dim, eps)
     _check_store_args(slot_mapping, check_slots)
     check_same_device(k=k, weight=weight, bias=bias, pages=pages, slot_mapping=slot_mapping)
-    _check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
+    check_slot_mapping(slot_mapping, k.shape[0], pages.shape[0], check_slots)
     if use_triton(impl, k, pages, slot_mapping):
         from dsacache.ops.indexer_k_cache.launch import launch_store
 
@@ -209,7 +173,7 @@ def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: t
 
 
 def _check_cu_seqlens(cu_seqlens: object, num_reqs: int) -> None:
-    _check_tensor("cu_seqlens", cu_seqlens)
+    check_tensor("cu_seqlens", cu_seqlens)
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape[0] != num_reqs + 1:
         raise ValueError(f"cu_seqlens must be int32 [num_reqs + 1] = [{num_reqs + 1}], got "
                          f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
@@ -255,14 +219,14 @@ def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqle
         >>> values, scales = gather_indexer_keys(pool, torch.tensor([[2, 0]], dtype=torch.int32),
         ...                                      torch.tensor([0, 70], dtype=torch.int32), 128)
     """
-    head_dim = _check_int("head_dim", head_dim, 1)
+    head_dim = check_int("head_dim", head_dim, 1)
     fmt = indexer_pages_format(pages, head_dim, indexer_kv_dtype)
     check_block_table(block_table, min_width=1)
     _check_cu_seqlens(cu_seqlens, block_table.shape[0])
     check_same_device(pages=pages, block_table=block_table, cu_seqlens=cu_seqlens)
     if num_tokens is None:
         num_tokens = _checked_num_tokens(cu_seqlens)
-    num_tokens = _check_int("num_tokens", num_tokens, 0)
+    num_tokens = check_int("num_tokens", num_tokens, 0)
     if num_tokens and block_table.shape[0] == 0:
         raise ValueError(f"num_tokens={num_tokens} with no requests (block_table has 0 rows)")
     if not use_triton(impl, pages, block_table, cu_seqlens):
@@ -278,8 +242,8 @@ def gather_indexer_keys(pages: torch.Tensor, block_table: torch.Tensor, cu_seqle
 
 def _gathered_format(values: torch.Tensor, scales: torch.Tensor, indexer_kv_dtype) -> IndexerKeyFormat:
     """The format of gathered ``(values, scales)``, named or read off ``values.dtype``, after checking them."""
-    _check_tensor("values", values)
-    _check_tensor("scales", scales)
+    check_tensor("values", values)
+    check_tensor("scales", scales)
     if values.dim() != 2 or scales.dim() < 1 or values.shape[0] != scales.shape[0]:
         raise ValueError(f"values must be [num_tokens, width] matching scales, got {tuple(values.shape)} "
                          f"and {tuple(scales.shape)}")

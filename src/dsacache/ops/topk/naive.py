@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.runtime.block_table import lookup_pages
 
 
 def sortable_keys(logits: torch.Tensor) -> torch.Tensor:
@@ -45,13 +46,10 @@ def topk_positions(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tenso
 def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor, next_n: int,
                        num_pages: int) -> torch.Tensor:
     """``slot = block_table[row // next_n, pos // 64] * 64 + pos % 64``; ``-1`` where
-    ``pos < 0``, the block is past the table, or the entry is outside ``[0, num_pages)``."""
-    if block_table.shape[1] == 0:
-        return torch.full_like(positions, -1, dtype=torch.int32)
+    ``pos < 0`` or the block is unusable (``runtime.block_table.lookup_pages``)."""
     requests = torch.arange(positions.shape[0], device=positions.device) // next_n
     pos = positions.to(torch.int64)
-    block = pos.div(KERNEL_PAGE_SIZE, rounding_mode="floor")
-    known = (pos >= 0) & (block < block_table.shape[1])
-    page = block_table.to(torch.int64)[requests[:, None], block.clamp(0, block_table.shape[1] - 1)]
+    page, usable = lookup_pages(block_table, requests[:, None], pos.div(KERNEL_PAGE_SIZE, rounding_mode="floor"),
+                                num_pages)
     slots = page * KERNEL_PAGE_SIZE + pos % KERNEL_PAGE_SIZE
-    return torch.where(known & (page >= 0) & (page < num_pages), slots, torch.full_like(slots, -1)).to(torch.int32)
+    return torch.where(usable & (pos >= 0), slots, torch.full_like(slots, -1)).to(torch.int32)

@@ -1,9 +1,9 @@
-"""The v3 top-k select (step 3) as a Gluon kernel: warp ballots instead of tile-wide scans.
+"""Step 3 on Hopper and newer, in Gluon: the select with warp ballots instead of tile-wide scans.
 
-``_topk_select_v3_kernel`` (``triton_kernels``) works on a [segments, slots] tile whose
-scans and reductions Triton lays out for itself: at B = 64, L = 128K it ran ~3,200
-instructions a warp with spills, at ~9 cycles each (13 us). Here the candidates are
-32-slot chunks, one warp a run of consecutive chunks and one lane a slot, so:
+The Triton select (``select_triton.py``) works on a [segments, slots] tile whose scans and
+reductions Triton lays out for itself, which costs many instructions a warp and spills.
+Here the candidates are 32-slot chunks, one warp a run of consecutive chunks and one lane a
+slot, so:
 
 * a chunk's count and each lane's place in it are a ``vote.ballot`` and two ``popc``
   (no shuffles), and the running offsets over a warp's chunks are a scan over its own
@@ -100,10 +100,10 @@ def topk_select_ballot_kernel(
     lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
     starts_ptr,       # [R] int32 or int64 first valid columns (clamped here)
     out_ptr,          # [R, K] int32
-    cut_ptr,          # [R] int32 (from _topk_cutoff_kernel)
+    cut_ptr,          # [R] int32 (from topk_cutoff_kernel)
     shift_ptr,        # [R] int32
-    hist_ptr,         # [R, BINS] int32 (from _topk_filter_v3_kernel)
-    seg_ptr,          # [R, PROGS, SEG] int64 (from _topk_filter_v3_kernel): pos << 32 | key
+    hist_ptr,         # [R, BINS] int32 (from topk_filter_kernel)
+    seg_ptr,          # [R, PROGS, SEG] int64 (from topk_filter_kernel): pos << 32 | key
     counts_ptr,       # [R, PROGS] int32
     tie_keys_ptr,     # [R, stride_tie] int32 scratch: the chosen bin's candidates
     tie_pos_ptr,      # [R, stride_tie] int32 scratch

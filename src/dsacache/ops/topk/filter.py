@@ -1,0 +1,252 @@
+"""Step 2 of a long row: the candidates at or above the cut-off, in position order.
+
+PROGS one-warp programs a row (~32 an SM): each streams its slice with the next tile's loads
+in flight, tests ``x >= float(cut)`` (the cut-off is never +0.0 or NaN), places candidates
+with a warp-local prefix sum and writes (key, position) pairs and histogram counts with
+predicated PTX stores, so nothing goes through shared memory and no barrier stalls the
+loop. On aligned rows a tile step is one PTX block (``filter_tile_ptx``) that does the
+per-candidate work only where a lane keeps one; unaligned rows take the per-logit predicated
+stores. Without PTX (the interpreter) the same work is plain ``tl.store`` / ``tl.atomic_add``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from dsacache.ops.topk.keys import key_to_float, sortable_key_not_nan
+from dsacache.ops.topk.rows import long_row, row_window
+from dsacache.ops.triton_utils import INTERPRET, loop_bound
+
+if not INTERPRET:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+#: The logits-a-lane counts the tile-step PTX supports (one to four runs of 4).
+FILTER_TILE_V = (4, 8, 16)
+
+
+@triton.jit
+def topk_filter_kernel(
+    logits_ptr,       # [R, row_stride] fp32
+    lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
+    starts_ptr,       # [R] int32 or int64 first valid columns (clamped here)
+    cut_ptr,          # [R] int32 (from topk_cutoff_kernel)
+    shift_ptr,        # [R] int32
+    hist_ptr,         # [R, BINS] int32: candidates a bin, accumulated by every program of the row
+    seg_ptr,          # [R, PROGS, SEG_CAP, 2] int32 scratch: (key, position) of each program's candidates, in order
+    counts_ptr,       # [R, PROGS] int32: candidates found by each program (may exceed SEG_CAP)
+    row_stride, width,  # logits row stride and width (columns)
+    K: tl.constexpr, SAMPLES: tl.constexpr, PROGS: tl.constexpr, SEG_CAP: tl.constexpr, BINS: tl.constexpr,
+    V: tl.constexpr, ALIGNED: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
+    HAS_STARTS: tl.constexpr,  # False: every row starts at column 0 (starts_ptr unused)
+    TILE_ASM: tl.constexpr = False,  # see _filter_warp; needs ALIGNED
+    TILE_PTX: tl.constexpr = "", TILE_REGS: tl.constexpr = "",  # with TILE_ASM: filter_tile_ptx(V), filter_tile_regs(V)
+    AHEAD: tl.constexpr = 1,  # tiles loaded ahead of the one scanned (1 or 2)
+):
+    """PROGS one-warp programs a long row: candidates at or above the row's cut-off.
+
+    One warp a program keeps every scan inside the warp (no barrier in the loop) and lets
+    ~32 programs share an SM, so enough loads are in flight to stream the row. With PDL the
+    select kernel is let launch once every program is past its loop."""
+    prog = tl.program_id(0)
+    row = tl.program_id(1)
+    start, n = row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
+    if long_row(n, K, SAMPLES):
+        lo, hi = filter_slice(start, n, prog, PROGS, 32 * V)
+        if ALIGNED:  # the row's width is a multiple of 4: the 4-wide loads stay inside it
+            hi_load = tl.multiple_of(tl.cdiv(hi, 4) * 4, 4)
+        else:
+            hi_load = hi
+        seg = seg_ptr + (row.to(tl.int64) * PROGS + prog) * (2 * SEG_CAP)
+        if ALIGNED:  # a stride written as a multiple of 4: the compiler then knows rows are 16-byte aligned
+            row_ptr = logits_ptr + row.to(tl.int64) * (row_stride // 4 * 4)
+        else:
+            row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+        count = _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr + row, shift_ptr + row,
+                             hist_ptr + row.to(tl.int64) * BINS, seg, SEG_CAP, BINS, V, USE_ASM, PDL,
+                             TILE_ASM and ALIGNED, TILE_PTX, TILE_REGS, AHEAD)
+        if PDL:
+            gdc_launch_dependents()
+        tl.store(counts_ptr + row * PROGS + prog, count)
+
+
+@triton.jit
+def filter_slice(start, n, prog, PROGS: tl.constexpr, TILE: tl.constexpr):
+    """Columns [lo, hi) of a row that filter program ``prog`` scans: a row's window [start,
+    start + n) cut into PROGS slices of whole TILE-column tiles, aligned so the loads vectorize
+    (slice 0 may begin before ``start``; the columns before it are never candidates)."""
+    end = start + n
+    first = tl.multiple_of((start // TILE) * TILE, TILE)
+    chunk = tl.multiple_of(tl.cdiv(tl.cdiv(end - first, PROGS), TILE) * TILE, TILE)
+    lo = first + prog * chunk
+    return lo, tl.minimum(lo + chunk, end)
+
+
+@triton.jit
+def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, seg,
+                 SEG_CAP: tl.constexpr, BINS: tl.constexpr, V: tl.constexpr, USE_ASM: tl.constexpr,
+                 PDL: tl.constexpr, TILE_ASM: tl.constexpr = False, TILE_PTX: tl.constexpr = "",
+                 TILE_REGS: tl.constexpr = "", AHEAD: tl.constexpr = 1):
+    """One warp's candidates of columns [lo, hi) (``hi_load >= hi`` bounds the loads, a multiple
+    of 4 when ``lo`` is, so they vectorize): (key, position - start) pairs of each key >= cut,
+    in order, into the segment ``seg`` (at most SEG_CAP pairs), each counted into the row's
+    histogram of ``(key - cut) >> shift`` (the last bin open). The next tile is loaded before
+    this one is scanned, so two tiles of loads are in flight.
+
+    ``cut`` is never the key of +0.0 or of NaN (``cutoff._float_cut``), so ``x >= float(cut)``
+    is ``key(x) >= cut``: the test runs on the float, the key is built only to be stored.
+    With PDL (programmatic dependent launch) the first tile is loaded before waiting for the
+    cut-off kernel, whose cut-off, shift and zeroed histogram are used after the wait.
+    TILE_ASM runs each tile step as one block of PTX (``filter_tile_ptx``: the per-candidate
+    work only where some lane keeps a candidate) instead of per-logit predicated stores
+    (needs 16-byte aligned tiles).
+    Returns the count (may exceed SEG_CAP)."""
+    TILE: tl.constexpr = 32 * V
+    lanes = tl.arange(0, TILE)
+    span = (hi - start).to(tl.uint32)
+    count = tl.zeros([], tl.int32)
+    counts = tl.zeros([TILE], tl.int32)  # TILE_ASM: the running count, the same in every lane
+    col = lo + lanes
+    x = tl.load(row_ptr + col, mask=col < hi_load, other=0.0)
+    if AHEAD == 2:
+        x_ahead = tl.load(row_ptr + col + TILE, mask=col + TILE < hi_load, other=0.0)
+    if PDL:
+        gdc_wait()
+    cut = tl.load(cut_ptr).to(tl.uint32, bitcast=True)
+    shift = tl.load(shift_ptr)
+    cut_f = key_to_float(cut)
+    for c in tl.range(0, loop_bound(tl.cdiv(hi - lo, TILE)), num_stages=1):
+        nxt = col + TILE
+        if AHEAD == 2:
+            x_next = x_ahead
+            x_ahead = tl.load(row_ptr + nxt + TILE, mask=nxt + TILE < hi_load, other=0.0)
+        else:
+            x_next = tl.load(row_ptr + nxt, mask=nxt < hi_load, other=0.0)
+        pos = col - start
+        if TILE_ASM:
+            counts = _filter_tile_asm(TILE_PTX, TILE_REGS, x, pos, counts, cut_f, span, cut, shift, seg, hist_row,
+                                      SEG_CAP, BINS, V)
+        else:
+            keep = (x >= cut_f) & (pos.to(tl.uint32) < span)
+            keep_i = keep.to(tl.int32)
+            slot = count + tl.cumsum(keep_i, axis=0) - keep_i
+            key = sortable_key_not_nan(x)
+            bin_ = tl.minimum((key - cut) >> shift, BINS - 1).to(tl.int32)
+            key = key.to(tl.int32, bitcast=True)
+            if USE_ASM:
+                _store_candidate_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP)
+            else:
+                room = keep & (slot < SEG_CAP)
+                tl.store(seg + 2 * slot, key, mask=room)
+                tl.store(seg + 2 * slot + 1, pos, mask=room)
+                tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
+            count += tl.sum(keep_i, axis=0)
+        col = nxt
+        x = x_next
+    if TILE_ASM:
+        count = tl.max(counts, axis=0)
+    return count
+
+
+@triton.jit
+def _filter_tile_asm(asm: tl.constexpr, regs: tl.constexpr, x, pos, count, cut_f, span, cut, shift, seg, hist_row,
+                     SEG_CAP: tl.constexpr, BINS: tl.constexpr, V: tl.constexpr):
+    """One tile step of the filter as PTX (``filter_tile_ptx``); ``count`` is the running
+    candidate count broadcast over the tile, returned updated."""
+    shape: tl.constexpr = x.shape
+    return tl.inline_asm_elementwise(
+        asm, regs,
+        [x.to(tl.int32, bitcast=True), pos, count, tl.full(shape, cut_f, tl.float32).to(tl.int32, bitcast=True),
+         tl.full(shape, span, tl.uint32).to(tl.int32, bitcast=True),
+         tl.full(shape, cut, tl.uint32).to(tl.int32, bitcast=True), tl.full(shape, shift, tl.int32),
+         tl.full(shape, seg.to(tl.int64, bitcast=True), tl.int64),
+         tl.full(shape, hist_row.to(tl.int64, bitcast=True), tl.int64), tl.full(shape, SEG_CAP, tl.int32),
+         tl.full(shape, BINS - 1, tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=V)
+
+
+@triton.jit
+def _store_candidate_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP: tl.constexpr):
+    """Where ``keep``: seg[2 * slot : 2 * slot + 2] = (key, pos) (if slot < SEG_CAP), one
+    predicated 8-byte store, and hist_row[bin_] += 1, as PTX. As ``tl.store`` and
+    ``tl.atomic_add`` the scattered addresses would make Triton move every value into a
+    one-element-a-thread layout through shared memory first; here they stay in the load's."""
+    tl.inline_asm_elementwise(
+        """{ .reg .pred k, r; .reg .b64 a;
+        setp.ne.b32 k, $7, 0;
+        setp.lt.and.s32 r, $3, $8, k;
+        mad.wide.s32 a, $3, 8, $1;
+        @r st.global.v2.b32 [a], {$5, $6};
+        mad.wide.s32 a, $4, 4, $2;
+        @k red.global.add.u32 [a], 1;
+        mov.b32 $0, 0; }""",
+        "=r,l,l,r,r,r,r,r,r",
+        [seg.to(tl.int64, bitcast=True), hist_row.to(tl.int64, bitcast=True), slot, bin_, key, pos,
+         keep.to(tl.int32), tl.full(slot.shape, SEG_CAP, tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@functools.lru_cache(maxsize=None)
+def filter_tile_ptx(v: int) -> str:
+    """PTX for one warp's tile step of the filter (``_filter_tile_asm``), ``v`` logits a lane.
+
+    The tile is laid out as the 4-wide loads leave it: a lane holds ``v / 4`` runs of 4 adjacent
+    logits, run ``r`` of lane ``l`` at tile columns ``128 r + 4 l .. + 3``. Position order is run,
+    then lane, then column, so each lane counts its kept logits per run in one 8-bit field of a
+    packed word, and one warp scan of that word gives every run's lane offsets at once. The
+    per-candidate work (key, histogram bin, stores) runs only for the columns where some lane of
+    the warp keeps one (``vote.any`` + uniform branch): candidates are ~2 % of the logits.
+    Operands (``pack=v``, each input passed as v registers, only the first read for the scalar
+    ones): out count; x bits, positions, count, cut-off float bits, span, cut-off key, shift,
+    segment and histogram pointers, segment capacity, last bin.
+    """
+    runs = v // 4
+    out = lambda i: f"${i}"                      # noqa: E731
+    arg = lambda k, i=0: f"${v + k * v + i}"     # noqa: E731
+    x, pos, count, cutf, span, cut, shift, seg, hist, cap, last = range(11)
+    offset = lambda i: 128 * (i // 4) + i % 4    # noqa: E731  (column of value i from the lane's first)
+    lines = ["{", f".reg .pred q, y, {', '.join(f'k{i}' for i in range(v))};",
+             ".reg .b32 c, s, t, ex, tot, acc, key, bin, p;", f".reg .b32 {', '.join(f'b{r}' for r in range(runs))};",
+             ".reg .b64 a;"]
+    # kept: >= the cut-off and, in a tile that is not wholly inside the row's window, inside it
+    # (positions are read from the lane's first value only: ptxas drops the rest)
+    lines += [f"setp.ge.s32 y, {arg(pos)}, 0;", f"add.s32 p, {arg(pos)}, {offset(v - 1)};",
+              f"setp.lt.and.s32 y, p, {arg(span)}, y;", "vote.sync.all.pred y, y, -1;", "@!y bra.uni EDGE_${:uid};"]
+    lines += [f"setp.ge.f32 k{i}, {arg(x, i)}, {arg(cutf)};" for i in range(v)]
+    lines += ["bra.uni KEPT_${:uid};", "EDGE_${:uid}:"]
+    for i in range(v):
+        lines += [f"add.s32 p, {arg(pos)}, {offset(i)};", f"setp.lt.u32 q, p, {arg(span)};",
+                  f"setp.ge.and.f32 k{i}, {arg(x, i)}, {arg(cutf)}, q;"]
+    lines += ["KEPT_${:uid}:", "mov.b32 c, 0;"]
+    lines += [f"@k{i} add.u32 c, c, {1 << (8 * (i // 4))};" for i in range(v)]
+    lines.append("mov.b32 s, c;")
+    for d in (1, 2, 4, 8, 16):
+        lines += [f"shfl.sync.up.b32 t|y, s, {d}, 0, -1;", "@y add.u32 s, s, t;"]
+    lines += ["shfl.sync.idx.b32 tot, s, 31, 31, -1;", "sub.u32 ex, s, c;", f"mov.b32 acc, {arg(count)};"]
+    for r in range(runs):  # run r starts after the whole warp's earlier runs and this run's earlier lanes
+        lines += [f"bfe.u32 t, ex, {8 * r}, 8;", f"add.u32 b{r}, acc, t;",
+                  f"bfe.u32 t, tot, {8 * r}, 8;", "add.u32 acc, acc, t;"]
+    lines += ["setp.eq.u32 y, tot, 0;", "@y bra.uni DONE_${:uid};"]
+    for i in range(v):
+        b = f"b{i // 4}"
+        lines += [f"vote.sync.any.pred y, k{i}, -1;", f"@!y bra.uni SKIP{i}_${{:uid}};",
+                  f"shr.s32 t, {arg(x, i)}, 31;", "or.b32 t, t, 0x80000000;", f"xor.b32 key, {arg(x, i)}, t;",
+                  f"sub.u32 bin, key, {arg(cut)};", f"shr.u32 bin, bin, {arg(shift)};",
+                  f"min.u32 bin, bin, {arg(last)};", f"add.s32 p, {arg(pos)}, {offset(i)};",
+                  f"setp.lt.and.s32 q, {b}, {arg(cap)}, k{i};",
+                  f"mad.wide.s32 a, {b}, 8, {arg(seg)};", "@q st.global.v2.b32 [a], {key, p};",
+                  f"mad.wide.u32 a, bin, 4, {arg(hist)};", f"@k{i} red.global.add.u32 [a], 1;",
+                  f"@k{i} add.u32 {b}, {b}, 1;", f"SKIP{i}_${{:uid}}:"]
+    lines.append("DONE_${:uid}:")
+    lines += [f"mov.b32 {out(i)}, acc;" for i in range(v)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def filter_tile_regs(v: int) -> str:
+    """Inline-asm constraints of ``filter_tile_ptx(v)``: v outputs, then the inputs (7 x v 32-bit,
+    2 x v pointers, 2 x v 32-bit)."""
+    return ",".join(["=r"] * v + ["r"] * (7 * v) + ["l"] * (2 * v) + ["r"] * (2 * v))

@@ -1,0 +1,224 @@
+"""Which top-k kernels run, with which settings, and their launches (and positions -> slots').
+
+A row of ``n`` valid logits is selected one of two ways:
+
+* a short row (``n <= max(k, 2 * samples)``): the select kernel takes it alone (all of it,
+  or a radix select over the row);
+* a long row: cut down to a few thousand candidates closed upwards (every key at or above
+  a cut-off), then selected exactly, in three launches:
+
+  1. ``cutoff.topk_cutoff_kernel``, one program a row: the cut-off key, from samples;
+  2. ``filter.topk_filter_kernel``, PROGS one-warp programs a row: the candidates in
+     position order, and their histogram;
+  3. the select: on Hopper and newer (compiled CUDA), ``select_gluon.topk_select_ballot_kernel``
+     first for the rows it can take, then ``select_triton.topk_select_kernel`` for the rest;
+     elsewhere the Triton select for every row. A missed cut-off or a skewed row is one
+     of the Triton select's own branches.
+
+On CUDA the filter and the selects are launched with programmatic dependent launch: each
+starts while the kernel before it finishes and waits (``griddepcontrol.wait``) before
+reading its outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from dsacache.ops.topk.cutoff import topk_cutoff_kernel
+from dsacache.ops.topk.filter import FILTER_TILE_V, filter_tile_ptx, filter_tile_regs, topk_filter_kernel
+from dsacache.ops.topk.select_triton import topk_select_kernel
+from dsacache.ops.topk.slots import positions_to_slots_kernel
+from dsacache.ops.triton_utils import INTERPRET, check_launch, l2_cache_bytes, sm_count
+
+#: Inline PTX where it exists (compiled CUDA); the interpreter and ROCm take the plain Triton ops.
+PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
+#: Default candidate buffer a row, in multiples of k: room for a cut-off that keeps a few times k.
+CANDIDATES_PER_K = 4
+#: Digit of the radix passes over candidates and whole rows (16-bin histograms).
+RADIX_BITS = 4
+#: The values of ``TopkConfig.select``.
+SELECTS = ("gluon", "triton", "gluon-only")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkConfig:
+    """Launch settings of top-k; ``None`` picks the default for the shape."""
+
+    #: logits a step of the radix select over a whole row (short rows, a missed cut-off): a row in few steps
+    block: int = 2048
+    #: keys the cut-off is found from: enough that it keeps between k and CAP candidates on almost every row
+    samples: int = 2048
+    #: adjacent logits a sample run: 8 fp32 are one 32-byte memory sector
+    sample_run: int = 8
+    #: bits a radix pass of the cut-off search fixes (16 bins: a cheap histogram, 8 passes at most)
+    sample_bits: int = 4
+    #: warps of the cut-off kernel's one program a row (the samples in registers, 8 a thread)
+    cutoff_warps: int = 8
+    #: candidate buffer a row, a power of two (None: CANDIDATES_PER_K * k)
+    cap: int | None = None
+    #: candidate histogram bins: fine enough that the chosen bin rarely holds more than ``ties``
+    bins: int = 2048
+    #: one-warp filter programs a row (None: about 32 an SM in all, ``filter_programs``)
+    progs: int | None = None
+    #: logits a lane a filter step (None: 4 for logits larger than L2, which stream from DRAM, else 8)
+    vec: int | None = None
+    #: filter tiles loaded ahead of the one scanned, 1 or 2 (None: 2 for logits larger than L2, else 1)
+    ahead: int | None = None
+    #: candidate slots of each segment the select loads first (None: ``select_first_load``)
+    load: int | None = None
+    #: largest chosen bin ranked pairwise (ties^2 compares; a larger bin takes radix passes)
+    ties: int = 32
+    #: programmatic dependent launch of the filter and the selects (CUDA): hides the gaps between launches
+    pdl: bool = True
+    #: "gluon": the Gluon select first where it applies; "triton": the Triton select only (the path
+    #: off Hopper); "gluon-only", for tests: no Triton select after it (rows it leaves stay unwritten)
+    select: str = "gluon"
+    #: warps of the Triton select (None: 8 when the rows fit one wave on the SMs, which is
+    #: latency-bound and holds a row's candidates without spilling, else 16)
+    select_warps: int | None = None
+    #: warps of the Gluon select
+    gluon_select_warps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.select not in SELECTS:
+            raise ValueError(f"select={self.select!r}; allowed: {', '.join(SELECTS)}")
+        if self.ahead not in (None, 1, 2):
+            raise ValueError(f"ahead={self.ahead}; allowed: None, 1, 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A launch's settings resolved for its shape and device."""
+
+    cap: int
+    progs: int
+    load: int
+    vec: int
+    ahead: int
+    select_warps: int
+    gluon: bool
+
+
+def filter_programs(rows: int, num_sms: int, cap: int) -> int:
+    """One-warp filter programs a long row gets: about 32 an SM in all (64 rows on 132 SMs:
+    64; 256 rows: 16), a power of two, with at least 128 candidate slots each."""
+    per_row = max(1, 32 * num_sms // max(rows, 1))
+    return max(1, min(1 << (per_row.bit_length() - 1), cap // 128, 256))
+
+
+def select_first_load(k: int, samples: int, width: int, seg: int, progs: int) -> int:
+    """Candidate slots of each filter segment the select loads first: a power of two at or
+    above the expected candidates a segment plus four standard deviations (full-width rows,
+    the most candidates), at most ``seg``. The cut-off keeps about ``target / samples`` of a row
+    (``cutoff.topk_cutoff_kernel``), so a segment of ``width / progs`` columns holds about that share."""
+    width = max(width, 1)  # zero-width logits have no long row: any value will do
+    expected = -(-k * samples // width)
+    target = min(expected + 4 * int(expected**0.5) + 8, samples)
+    mean = target * width / samples / progs
+    return min(seg, triton.next_power_of_2(int(mean + 4 * mean**0.5) + 1))
+
+
+def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int) -> _Plan:
+    rows, width = logits.shape
+    num_sms = sm_count(logits.device) or 1
+    cap = cfg.cap or max(128, triton.next_power_of_2(CANDIDATES_PER_K * k))
+    progs = cfg.progs or filter_programs(rows, num_sms, cap)
+    load = cfg.load or select_first_load(k, cfg.samples, width, cap // progs, progs)
+    l2_bytes = l2_cache_bytes(logits.device)
+    streamed = l2_bytes is not None and rows * logits.stride(0) * logits.element_size() > l2_bytes
+    return _Plan(cap=cap, progs=progs, load=load, vec=cfg.vec or (4 if streamed else 8),
+                 ahead=cfg.ahead or (2 if streamed else 1),
+                 select_warps=cfg.select_warps or (8 if rows <= num_sms else 16),
+                 gluon=_use_gluon(cfg, logits, progs, load))
+
+
+def _use_gluon(cfg: TopkConfig, logits: torch.Tensor, progs: int, load: int) -> bool:
+    """Whether the Gluon select runs first: ``cfg.select`` allows it, compiled CUDA on a Hopper
+    or newer GPU, and shapes its layouts tile exactly."""
+    if cfg.select == "triton" or not PTX_AVAILABLE or not logits.is_cuda:
+        return False
+    warps = cfg.gluon_select_warps
+    return (torch.cuda.get_device_capability(logits.device)[0] >= 9 and load % 32 == 0
+            and (progs * load // 32) % warps == 0 and cfg.bins % (32 * warps) == 0 and cfg.ties % 32 == 0)
+
+
+def select_kernel(logits: torch.Tensor, k: int, config: TopkConfig | None = None) -> str:
+    """Which select a launch on ``logits`` runs first (for reports): "gluon" or "triton"."""
+    return "gluon" if _plan(config or TopkConfig(), logits, k).gluon else "triton"
+
+
+def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor | None, out: torch.Tensor,
+                config: TopkConfig | None = None) -> None:
+    """Fill ``out [R, k]`` with the top-k positions of each row of ``logits [R, L]``.
+
+    ``lens`` and ``starts`` (None: every row starts at 0) are int32 or int64 and clamped to
+    the row by the kernels. The arguments are checked by ``api.topk_indices``.
+    """
+    cfg = config or TopkConfig()
+    check_launch(logits.stride(1) == 1 and out.is_contiguous(), "contiguous logits rows and out")
+    check_launch(lens.is_contiguous() and (starts is None or starts.is_contiguous()),
+                 "contiguous lengths and row starts")
+    rows, k = logits.shape[0], out.shape[1]
+    plan = _plan(cfg, logits, k)
+    cap, progs, vec = plan.cap, plan.progs, plan.vec
+    check_launch(cap & (cap - 1) == 0 and progs & (progs - 1) == 0 and 128 * progs <= cap < 2**16,
+                 "cap and progs powers of two, 128 * progs <= cap < 65536")
+    check_launch(vec & (vec - 1) == 0 and cfg.bins & (cfg.bins - 1) == 0 and cfg.samples % cfg.sample_run == 0,
+                 "vec and bins powers of two, sample_run divides samples")
+    window = dict(width=logits.shape[1], HAS_STARTS=starts is not None)
+    starts = lens if starts is None else starts  # never read without HAS_STARTS
+    device = logits.device
+    seg = torch.empty(rows, cap, 2, dtype=torch.int32, device=device)  # [R, PROGS, CAP // PROGS, 2]
+    counts = torch.empty(rows, progs, dtype=torch.int32, device=device)
+    buf_keys = torch.empty(rows, cap + cfg.ties, dtype=torch.int32, device=device)
+    buf_pos = torch.empty_like(buf_keys)
+    cut = torch.empty(rows, dtype=torch.int32, device=device)
+    shift = torch.empty_like(cut)
+    hist = torch.empty(rows, cfg.bins, dtype=torch.int32, device=device)
+    stride = logits.stride(0)
+    aligned = logits.shape[1] % 4 == 0 and stride % 4 == 0 and logits.data_ptr() % 16 == 0
+    pdl = {"PDL": True, "launch_pdl": True} if cfg.pdl and PTX_AVAILABLE else {"PDL": False}
+    common = dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=cfg.bins)
+    topk_cutoff_kernel[(rows,)](logits, lens, starts, cut, shift, hist, stride, **window, K=k, SAMPLES=cfg.samples,
+                                SAMPLE_RUN=cfg.sample_run, BINS=cfg.bins, SAMPLE_BITS=cfg.sample_bits,
+                                PDL=pdl["PDL"], num_warps=cfg.cutoff_warps)
+    tile = {"TILE_ASM": False}
+    if PTX_AVAILABLE and vec in FILTER_TILE_V:
+        tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec), "TILE_REGS": filter_tile_regs(vec)}
+    topk_filter_kernel[(progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, stride, **window,
+                                      SEG_CAP=cap // progs, V=vec, ALIGNED=aligned, USE_ASM=PTX_AVAILABLE,
+                                      AHEAD=plan.ahead, num_warps=1, **tile, **pdl, **common)
+    skip = {}
+    if plan.gluon:
+        from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel  # Gluon is imported only where it runs
+
+        done = torch.empty(rows, dtype=torch.int32, device=device)
+        topk_select_ballot_kernel[(rows,)](lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
+                                           buf_keys, buf_pos, done, window["width"], buf_keys.stride(0),
+                                           SEG=cap // progs, LOAD=plan.load, CAP=cap, TIES=cfg.ties,
+                                           HAS_STARTS=window["HAS_STARTS"], PDL=pdl["PDL"],
+                                           num_warps=cfg.gluon_select_warps,
+                                           **({"launch_pdl": True} if pdl["PDL"] else {}), **common)
+        skip = {"done_ptr": done, "SKIP_DONE": True}
+        if cfg.select == "gluon-only":
+            return
+    topk_select_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
+                                buf_keys, buf_pos, stride, **window, BLOCK=cfg.block, CAP=cap, BITS=RADIX_BITS,
+                                TIES=cfg.ties, LOAD=plan.load, TILE=32 * vec, num_warps=plan.select_warps, **skip,
+                                **pdl, **common)
+
+
+def launch_positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
+                              next_n: int, num_pages: int, page_size: int) -> None:
+    """Fill ``out [R, k]`` with cache slots of ``positions [R, k]`` (checked by ``api.positions_to_slots``)."""
+    check_launch(positions.stride(1) == 1 and block_table.stride(1) == 1 and out.is_contiguous(),
+                 "contiguous positions rows, block_table rows and out")
+    block = 1024
+    grid = (positions.shape[0], triton.cdiv(positions.shape[1], block))
+    positions_to_slots_kernel[grid](
+        positions, block_table, out, positions.shape[1], positions.stride(0), block_table.stride(0),
+        block_table.shape[1], num_pages, NEXT_N=next_n, PAGE=page_size, BLOCK=block, num_warps=4,
+    )
