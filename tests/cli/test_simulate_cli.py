@@ -51,3 +51,30 @@ def test_simulate_refuses_a_tp_list():
     result = run_cli("simulate", "-tp", "4,8")
     assert result.returncode == 2
     assert result.stderr.startswith("dsacache: error:") and "Traceback" not in result.stderr
+
+
+def test_simulate_under_dcp_reports_one_ranks_pool(capsys):
+    """DCP 2 (interleave 64): the same rows per rank, each covering twice the tokens, so more requests run."""
+    from dsacache.cli.main import main
+
+    def packed(*options):
+        assert main(["simulate", "--json", "--no-progress", *options]) == 0
+        report = json.loads(capsys.readouterr().out)
+        return report, report["results"][0]
+
+    report, dcp2 = packed("--decode-context-parallel-size", "2", "--cp-kv-cache-interleave-size", "64")
+    assert report["decode_context_parallel_size"] == 2
+    assert dcp2["tokens_per_row"] == 2 * dcp2["block_size"]
+    assert dcp2["finished"] + dcp2["rejected"] == report["workload"]["num_requests"]
+    assert 0 < dcp2["attention_row_utilisation"] <= 1
+    _, dcp1 = packed()
+    assert (dcp1["num_rows"], dcp1["block_size"]) == (dcp2["num_rows"], dcp2["block_size"])
+    assert dcp2["peak_running"] > dcp1["peak_running"]
+
+
+def test_simulate_refuses_a_bad_interleave():
+    for value, match in (("0", "cp_kv_cache_interleave_size must be an integer >= 1"),
+                         ("3", "cp_kv_cache_interleave_size=3 must divide the block size")):
+        result = run_cli("simulate", "--no-progress", "--cp-kv-cache-interleave-size", value)
+        assert result.returncode == 2
+        assert result.stderr.startswith("dsacache: error:") and match in result.stderr, result.stderr

@@ -1,6 +1,6 @@
-"""The MXFP4 -> e4m3 "table" decode is inline PTX that only runs on a GPU. This runs the
+"""The MXFP4 -> e4m3 table decode is inline PTX that only runs on a GPU. This runs the
 kernel's own asm text through a small model of the PTX instructions it uses and checks it
-bit-exact against the plain-op decode (``_nibble_to_e4m3``) that the interpreter runs, for
+bit-exact against the plain-op decode (``nibble_to_e4m3``) that the interpreter runs, for
 every byte value in every byte position of a word, every kept group offset and dropped groups."""
 
 import random
@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-from dsacache.ops.indexer_logits.triton_kernels import _TABLE_ASM  # noqa: E402
+from dsacache.ops.indexer_logits.mxfp4_e4m3 import WORD_DECODE_ASM  # noqa: E402
 
 M32 = 0xFFFFFFFF
-ASM = _TABLE_ASM.value if hasattr(_TABLE_ASM, "value") else _TABLE_ASM
+ASM = WORD_DECODE_ASM.value if hasattr(WORD_DECODE_ASM, "value") else WORD_DECODE_ASM
 
 
 def prmt(a, b, c):
@@ -66,7 +66,7 @@ def run_asm(word, t):
 
 
 def nibble_to_e4m3(code, offset):
-    """``_nibble_to_e4m3`` in plain ints (offset 8 t, or 0x80 for a dropped group)."""
+    """``nibble_to_e4m3`` in plain ints (offset 8 t, or 0x80 for a dropped group)."""
     mag = code & 7
     base = 8 if mag == 1 else 4 * mag + 8
     byte = (0 if mag == 0 else base + offset) | ((code & 8) << 4)

@@ -1,9 +1,10 @@
 """Row allocator: lifecycle, refusals, prefix reuse and bad input."""
 
+import numpy as np
 import pytest
 import torch
 
-from dsacache.runtime import OutOfRowsError, RowAllocator
+from dsacache.runtime import DcpSettings, OutOfRowsError, RowAllocator
 
 BS = 128  # tokens per row in these tests (two kernel pages)
 
@@ -181,7 +182,7 @@ class TestPrefixReuse:
 
 
 def test_dcp_rows_cover_world_times_block_tokens():
-    alloc = make(num_rows=20, state_rows=0, dcp_world_size=2)
+    alloc = make(num_rows=20, state_rows=0, dcp=DcpSettings(world_size=2))
     alloc.add("a", num_tokens=2 * BS + 1)  # rank 0 stores 129 tokens -> 2 rows, 3 pages
     assert len(alloc.attention_rows("a")) == 2
     assert len(alloc.kernel_pages("a")) == 3
@@ -222,7 +223,7 @@ class TestBadInput:
     @pytest.mark.parametrize("kw, match", [
         (dict(num_rows=0), "num_rows"),
         (dict(block_size=100), "block_size"),
-        (dict(dcp_interleave=3), "dcp_interleave"),
+        (dict(dcp=DcpSettings(interleave=3)), "cp_kv_cache_interleave_size"),
     ])
     def test_bad_settings(self, kw, match):
         args = dict(num_rows=4, block_size=BS, state_rows_per_request=1) | kw
@@ -236,3 +237,84 @@ class TestBadInput:
             alloc.extend("a", 2, token_ids=[1])
         with pytest.raises(ValueError, match="num_tokens"):
             alloc.add("b", ids(4), num_tokens=3)
+
+
+class TestAllOrNothing:
+    """A call that raises leaves the allocator as it was (issue 17, class 1)."""
+
+    def test_a_bad_token_after_the_first_miss_takes_no_row(self):
+        alloc = make(num_rows=20)
+        alloc.add("a", ids(3 * BS))
+        free_before = alloc.num_free_rows
+        prompt = ids(BS) + ids(2 * BS, start=50_000)
+        prompt[2 * BS + 3] = 2.5  # block 2, after the miss on block 1
+        with pytest.raises(ValueError, match="token_ids must hold integers"):
+            alloc.add("b", prompt)
+        assert not alloc.has_request("b") and alloc.num_free_rows == free_before
+        alloc.check_invariants()
+        # A later prompt sharing blocks 0 and 1 of the bad one gets only the block it shares with "a".
+        assert alloc.add("c", ids(BS) + ids(BS + 1, start=50_000)) == BS
+
+    @pytest.mark.parametrize("count", [100.5, 100.0, True, "100", -1])
+    def test_a_bad_count_takes_no_row(self, count):
+        alloc = make()
+        with pytest.raises(ValueError, match="num_tokens must be an integer >= 0"):
+            alloc.add("a", num_tokens=count)
+        assert alloc.num_requests == 0 and alloc.num_free_rows == 10
+
+    def test_extend_with_a_bad_token_keeps_the_request_as_it_was(self):
+        alloc = make()
+        alloc.add("a", ids(BS - 1))
+        with pytest.raises(ValueError, match="token_ids"):
+            alloc.extend("a", token_ids=ids(BS - 1, start=BS - 1) + [None])
+        assert alloc.num_tokens("a") == BS - 1 and len(alloc.attention_rows("a")) == 1
+        with pytest.raises(ValueError, match="num_new_tokens must be an integer"):
+            alloc.extend("a", 1.5)
+        with pytest.raises(ValueError, match="num_new_tokens must be an integer"):
+            alloc.can_extend("a", 1.5)
+        alloc.check_invariants()
+
+    @pytest.mark.parametrize("bad", [["x"], {"k": 1}])
+    def test_unhashable_request_ids(self, bad):
+        alloc = make()
+        for call in (lambda: alloc.add(bad, num_tokens=1), lambda: alloc.free(bad), lambda: alloc.extend(bad, 1),
+                     lambda: alloc.num_tokens(bad)):
+            with pytest.raises(ValueError, match="request id must be hashable"):
+                call()
+
+    @pytest.mark.parametrize("bad", ["abc", b"abcdefgh", {1, 2}, 5, torch.zeros(3), torch.zeros(1, 3, dtype=torch.int64),
+                                     np.zeros(3), torch.ones(2, dtype=torch.bool)])
+    def test_token_ids_of_a_wrong_kind(self, bad):
+        with pytest.raises(ValueError, match="token_ids"):
+            make().add("a", bad)
+
+
+@pytest.mark.parametrize("form", [tuple, lambda x: x, np.array, lambda x: np.array(x, dtype=np.int32),
+                                  lambda x: torch.tensor(x, dtype=torch.int32), torch.tensor])
+def test_token_ids_in_every_accepted_container_share_the_same_blocks(form):
+    alloc = make(num_rows=20)
+    alloc.add("a", list(range(2 * BS + 1)))
+    assert alloc.add("b", form(range(2 * BS + 1))) == 2 * BS
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_rows=2.5), "num_rows must be an integer >= 1"),
+    (dict(num_rows="4"), "num_rows"),
+    (dict(block_size=128.0), "block_size"),
+    (dict(state_rows_per_request=-1), "state_rows_per_request"),
+    (dict(state_rows_per_request=None), "state_rows_per_request"),
+    (dict(max_num_pages_per_request=0), "max_num_pages_per_request"),
+    (dict(enable_prefix_reuse="yes"), "enable_prefix_reuse"),
+    (dict(dcp=2), "dcp must be a DcpSettings"),
+])
+def test_constructor_refuses_wrong_types(kw, match):
+    args = dict(num_rows=4, block_size=BS, state_rows_per_request=1) | kw
+    with pytest.raises(ValueError, match=match):
+        RowAllocator(**args)
+
+
+def test_numpy_integers_are_integers():
+    alloc = RowAllocator(np.int64(4), np.int32(BS), np.int64(1))
+    alloc.add("a", num_tokens=np.int64(BS + 1))
+    alloc.extend("a", np.int32(3))
+    assert alloc.num_tokens("a") == BS + 4 and type(alloc.num_rows) is int

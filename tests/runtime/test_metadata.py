@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from dsacache.runtime import (
+    DcpSettings,
     RowAllocator,
     build_indexer_metadata,
     compute_slot_mapping,
-    dcp_local_len,
     decode_context_lens,
     plan_prefill_chunks,
 )
@@ -145,8 +145,8 @@ def test_dcp_decode_lengths_count_each_ranks_share(impl, world, interleave):
         meta = build_indexer_metadata(
             torch.zeros(len(seq_lens), 80, dtype=torch.int32), [next_n] * len(seq_lens), seq_lens,
             torch.empty(64, dtype=torch.int64), next_n=next_n, num_decodes=len(seq_lens), workspace_tokens=64,
-            logits_bytes=1 << 20, dcp_world_size=world, dcp_rank=rank, dcp_interleave=interleave, impl=impl)
-        expected = [[dcp_local_len(n, world, rank, interleave) for n in row] for row in global_lens.tolist()]
+            logits_bytes=1 << 20, dcp=DcpSettings(world, rank, interleave), impl=impl)
+        expected = [[DcpSettings(world, rank, interleave).local_len(n) for n in row] for row in global_lens.tolist()]
         assert meta.decode_context_lens.tolist() == expected
         shares.append(meta.decode_context_lens)
     assert torch.equal(torch.stack(shares).sum(0), global_lens)
@@ -155,4 +155,93 @@ def test_dcp_decode_lengths_count_each_ranks_share(impl, world, interleave):
 def test_dcp_with_prefills_is_refused():
     with pytest.raises(NotImplementedError, match="decode context parallelism"):
         build_indexer_metadata(torch.zeros(2, 4, dtype=torch.int32), [1, 5], [9, 5], torch.empty(8, dtype=torch.int64),
-                               workspace_tokens=64, logits_bytes=1 << 10, dcp_world_size=2, dcp_rank=0)
+                               workspace_tokens=64, logits_bytes=1 << 10, dcp=DcpSettings(2, 0))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_context_lens_refuses_short_lengths_on_both_paths(impl):
+    out = torch.full((2, 3), -9, dtype=torch.int32)
+    with pytest.raises(ValueError, match="seq_lens must be >= next_n=3"):
+        decode_context_lens(torch.tensor([5, 2], dtype=torch.int32), 3, out, impl=impl)
+    assert (out == -9).all()
+    decode_context_lens(torch.tensor([5, 2], dtype=torch.int32), 3, out, check=False, impl=impl)
+    assert out.tolist() == [[3, 4, 5], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(next_n=1.0), "next_n must be an integer"),
+    (dict(next_n=True), "next_n"),
+    (dict(seq_lens=[3, 4]), "seq_lens must be int32"),
+    (dict(out=[[0]]), "out must be"),
+])
+def test_decode_context_lens_refuses_bad_types(kw, match):
+    args = dict(seq_lens=torch.tensor([3, 4], dtype=torch.int32), next_n=1) | kw
+    with pytest.raises(ValueError, match=match):
+        decode_context_lens(**args)
+
+
+def _metadata_args(**kw):
+    args = dict(block_table=torch.zeros(2, 4, dtype=torch.int32), query_lens=[1, 3], seq_lens=[9, 3],
+                slot_mapping=torch.empty(8, dtype=torch.int64), workspace_tokens=64, logits_bytes=1 << 10)
+    return args | kw
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(query_lens=[1, 3.0]), r"query_lens\[1\] must be an integer"),
+    (dict(seq_lens=[9, -3]), r"seq_lens\[1\]"),
+    (dict(seq_lens="93"), "seq_lens must be a sequence"),
+    (dict(query_lens=[1, 4]), "query_len <= seq_len"),
+    (dict(query_lens=[1]), "1 query_lens but 2 seq_lens"),
+    (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)), "3 rows for 2 requests"),
+    (dict(block_table=torch.zeros(2, 4)), "int32 tensor"),
+    (dict(slot_mapping=torch.empty(3, dtype=torch.int64)), "room for 3 tokens; the step schedules 4"),
+    (dict(slot_mapping=torch.empty(8, dtype=torch.int32)), "slot_mapping must be a contiguous int64"),
+    (dict(next_n="1"), "next_n"),
+    (dict(num_decodes=0.5), "num_decodes"),
+    (dict(workspace_tokens=64.0), "workspace_tokens"),
+    (dict(logits_bytes=2), "logits_bytes must be an integer >= 4"),
+    (dict(dcp=(2, 0, 1)), "dcp must be a DcpSettings"),
+    (dict(pcp_world_size=1.0), "pcp_world_size"),
+    (dict(num_kernel_pages=2.5), "num_kernel_pages"),
+])
+def test_step_builder_refuses_bad_arguments_before_writing(kw, match):
+    args = _metadata_args(**kw)
+    slot_mapping = args["slot_mapping"]
+    if isinstance(slot_mapping, torch.Tensor):
+        slot_mapping.fill_(55)
+    with pytest.raises(ValueError, match=match):
+        build_indexer_metadata(**args)
+    assert (slot_mapping == 55).all()
+
+
+def test_step_builder_page_check_and_its_sync_free_form():
+    """A prefill token without a page is refused with check=True; check=False writes -1 for it."""
+    args = _metadata_args(block_table=torch.tensor([[0, 1, 2, 3], [4, -1, -1, -1]], dtype=torch.int32),
+                          query_lens=[1, 70], seq_lens=[9, 70], slot_mapping=torch.full((80,), 55, dtype=torch.int64),
+                          workspace_tokens=128, logits_bytes=1 << 20)
+    with pytest.raises(ValueError, match="which is -1"):
+        build_indexer_metadata(**args, impl="torch")
+    assert (args["slot_mapping"] == 55).all()
+    meta = build_indexer_metadata(**args, check=False, impl="torch")
+    assert meta.slot_mapping[1 + 64:71].tolist() == [-1] * 6 and meta.slot_mapping[1] == 4 * 64
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(query_lens=[4.0]), r"query_lens\[0\] must be an integer"),
+    (dict(seq_lens=(4, 5)), "1 query_lens but 2 seq_lens"),
+    (dict(workspace_tokens="64"), "workspace_tokens"),
+    (dict(logits_bytes=1e6), "logits_bytes"),
+    (dict(first_token=-1), "first_token"),
+    (dict(first_req=0.0), "first_req"),
+    (dict(pcp_world_size="1"), "pcp_world_size"),
+])
+def test_prefill_chunks_refuse_bad_types(kw, match):
+    args = dict(query_lens=[4], seq_lens=[4], workspace_tokens=64, logits_bytes=1 << 10) | kw
+    with pytest.raises(ValueError, match=match):
+        plan_prefill_chunks(**args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_context_lens_takes_a_strided_seq_lens_on_both_paths(impl):
+    seq_lens = torch.tensor([7, 0, 9, 0, 4, 0], dtype=torch.int32)[::2]
+    assert decode_context_lens(seq_lens, 2, impl=impl).tolist() == [[6, 7], [8, 9], [3, 4]]

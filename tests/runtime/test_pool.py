@@ -1,11 +1,12 @@
 """The pool: paged views over the right bytes, isolation between layers and states."""
 
+import numpy as np
 import pytest
 import torch
 
 from dsacache.formats.indexer_key import dequantize_pages, fp8_page_views, quantize_fp8
 from dsacache.planner import CacheConfig, SpeculativeConfig, plan
-from dsacache.runtime import CachePool, compute_slot_mapping
+from dsacache.runtime import CachePool, build_block_table, compute_slot_mapping, kernel_pages
 
 SENTINEL = 0xA5
 
@@ -187,8 +188,54 @@ class TestBadInput:
             pool._typed(2, 16, torch.float32, (4,))
 
     def test_row_outside_the_pool(self):
-        with pytest.raises(ValueError, match="outside the pool"):
+        with pytest.raises(ValueError, match=r"row must be an integer in \[0, 2\), got 2"):
             fresh_pool(tiny_layout(num_rows=2)).row(2)
+
+    @pytest.mark.parametrize("call, match", [
+        (lambda pool: pool.row(1.0), "row must be an integer"),
+        (lambda pool: pool.row("0"), "row must be an integer"),
+        (lambda pool: pool.mla_pages(4.0), "not a DSA layer"),
+        (lambda pool: pool.index_pages([4]), "not a DSA layer"),
+        (lambda pool: pool.draft_pages(0.5), "draft layer 0.5"),
+        (lambda pool: pool.state_tensors_at([0, 1, 2], 1.0), "not a KDA layer"),
+        (lambda pool: pool.state_tensors_at([0, 1.5, 2], 1), r"state_rows\[1\]"),
+        (lambda pool: pool.state_tensors_at([0, 1], 1), "2 state rows given"),
+    ])
+    def test_wrong_types_are_value_errors(self, call, match):
+        with pytest.raises(ValueError, match=match):
+            call(fresh_pool(tiny_layout()))
+
+    @pytest.mark.parametrize("kw, match", [
+        (dict(layout="kimi-k3.1"), "layout must be a CacheLayout"),
+        (dict(allocator=object()), "allocator must be a RowAllocator"),
+        (dict(device="gpu0"), "device must be a torch device"),
+        (dict(device=1.5), "device must be a torch device"),
+    ])
+    def test_constructor_refuses_wrong_types(self, kw, match):
+        with pytest.raises(ValueError, match=match):
+            CachePool(**(dict(layout=tiny_layout()) | kw))
+
+
+class TestBlockTableArguments:
+    @pytest.mark.parametrize("call, match", [
+        (lambda: build_block_table([[1, 2.0]]), r"page_lists\[0\]\[1\] must be an integer"),
+        (lambda: build_block_table([[1, -1]]), r"page_lists\[0\]\[1\] must be an integer >= 0"),
+        (lambda: build_block_table([[2**31]]), "past the int32 table"),
+        (lambda: build_block_table("12"), "page_lists must be a sequence"),
+        (lambda: build_block_table([[1]], width=2.0), "width must be an integer"),
+        (lambda: build_block_table([[1]], max_width="4"), "max_width"),
+        (lambda: build_block_table([[1]], device="nowhere"), "device"),
+        (lambda: kernel_pages([0, 1.0], 2, 3), r"rows\[1\]"),
+        (lambda: kernel_pages([0, 1], 2.0, 3), "pages_per_row"),
+        (lambda: kernel_pages([0, 1], 2, 3.0), "num_pages"),
+    ])
+    def test_wrong_types_are_value_errors(self, call, match):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+    def test_numpy_and_tensor_page_lists(self):
+        table = build_block_table([np.array([3, 4]), torch.tensor([7])], width=3)
+        assert table.tolist() == [[3, 4, -1], [7, -1, -1]]
 
 
 def test_paged_kda_model_has_no_state_views():

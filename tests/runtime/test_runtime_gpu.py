@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsacache.planner import CacheConfig, plan
-from dsacache.runtime import CachePool, build_indexer_metadata, compute_slot_mapping, decode_context_lens
+from dsacache.runtime import CachePool, DcpSettings, build_indexer_metadata, compute_slot_mapping, decode_context_lens
 
 pytestmark = pytest.mark.gpu
 
@@ -31,9 +31,10 @@ def test_slot_mapping_triton_matches_torch(world, interleave, num_reqs):
     table, qsl, pos = ragged(num_reqs, 2000, 200_000, width=3200)
     for rank in {0, world - 1}:
         out = torch.full((int(qsl[-1]) + 100,), -5, dtype=torch.int64, device="cuda")
-        compute_slot_mapping(table, qsl, pos, out, dcp_world_size=world, dcp_rank=rank, dcp_interleave=interleave)
-        ref = compute_slot_mapping(table.cpu(), qsl.cpu(), pos.cpu(), torch.empty_like(out, device="cpu"),
-                                   dcp_world_size=world, dcp_rank=rank, dcp_interleave=interleave, impl="torch")
+        dcp = DcpSettings(world, rank, interleave)
+        compute_slot_mapping(table, qsl, pos, out, dcp=dcp)
+        ref = compute_slot_mapping(table.cpu(), qsl.cpu(), pos.cpu(), torch.empty_like(out, device="cpu"), dcp=dcp,
+                                   impl="torch")
         assert torch.equal(out.cpu(), ref)
 
 
@@ -53,12 +54,12 @@ def test_slot_mapping_is_cuda_graph_capturable():
     out = torch.empty(max_tokens, dtype=torch.int64, device="cuda")
     seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device="cuda")
     ctx = torch.empty(max_reqs, 2, dtype=torch.int32, device="cuda")
-    compute_slot_mapping(table, qsl, pos, out)  # compile before capture
-    decode_context_lens(seq_lens, 2, ctx)
+    compute_slot_mapping(table, qsl, pos, out, check=False)  # compile before capture
+    decode_context_lens(seq_lens, 2, ctx, check=False)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        compute_slot_mapping(table, qsl, pos, out)
-        decode_context_lens(seq_lens, 2, ctx)
+    with torch.cuda.graph(graph):  # check=False: no host read inside the graph
+        compute_slot_mapping(table, qsl, pos, out, check=False)
+        decode_context_lens(seq_lens, 2, ctx, check=False)
     for _ in range(3):
         new_table, new_qsl, new_pos = ragged(max_reqs, 60, 20_000, width)
         table.copy_(new_table)
@@ -69,7 +70,7 @@ def test_slot_mapping_is_cuda_graph_capturable():
         graph.replay()
         torch.cuda.synchronize()
         ref = compute_slot_mapping(table.cpu(), qsl.cpu(), pos.cpu(), torch.empty(max_tokens, dtype=torch.int64),
-                                   impl="torch")
+                                   check=False, impl="torch")
         assert torch.equal(out.cpu(), ref)
         assert torch.equal(ctx.cpu(), decode_context_lens(seq_lens.cpu(), 2, impl="torch"))
 
@@ -99,3 +100,28 @@ def test_pool_views_on_cuda_touch_only_their_bytes():
         start = page * layout.page_stride_bytes + offset
         expected[start : start + 64 * entry] = 0x11
     assert torch.equal(pool.buffer.cpu(), expected)
+
+
+def test_slot_mapping_triton_refuses_what_torch_refuses():
+    """The public function checks once for both paths: on CUDA the Triton path refuses the same inputs."""
+    from tests.runtime.test_slot_mapping import REFUSED
+
+    for table, qsl, pos, out_size, num_pages, match in REFUSED:
+        args = (torch.tensor(table, dtype=torch.int32, device="cuda"),
+                torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+                torch.tensor(pos, dtype=torch.int64, device="cuda"))
+        out = torch.full((out_size or len(pos),), 77, dtype=torch.int64, device="cuda")
+        with pytest.raises(ValueError, match=match):
+            compute_slot_mapping(*args, out, num_kernel_pages=num_pages)
+        assert (out == 77).all()
+        compute_slot_mapping(*args, out, num_kernel_pages=num_pages, check=False)
+        ref = compute_slot_mapping(*(a.cpu() for a in args), torch.empty_like(out, device="cpu"),
+                                   num_kernel_pages=num_pages, check=False, impl="torch")
+        assert torch.equal(out.cpu(), ref)
+
+
+def test_decode_context_lens_triton_refuses_short_lengths():
+    out = torch.full((2, 3), -9, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="seq_lens must be >= next_n=3"):
+        decode_context_lens(torch.tensor([5, 2], dtype=torch.int32, device="cuda"), 3, out)
+    assert (out == -9).all()

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from dsacache.runtime import compute_slot_mapping, dcp_local_len, dcp_local_position, dcp_owner
+from dsacache.runtime import DcpSettings, compute_slot_mapping
 from tests.helpers import triton_available
 
 # The Triton case runs on CPU tensors (the interpreter); on a CUDA machine the gpu tests cover it.
@@ -32,7 +32,7 @@ def test_formats_example_single_rank(impl):
 def test_formats_example_two_dcp_ranks(impl):
     out = compute_slot_mapping(
         i32([[5, 6]]), i32([0, 8]), i64([0, 1, 2, 3, 4, 5, 32, 33]),
-        page_size=16, dcp_world_size=2, dcp_rank=1, dcp_interleave=1, impl=impl,
+        page_size=16, dcp=DcpSettings(world_size=2, rank=1, interleave=1), impl=impl,
     )
     assert out.tolist() == [-1, 80, -1, 81, -1, 82, -1, 96]
 
@@ -40,12 +40,17 @@ def test_formats_example_two_dcp_ranks(impl):
 def test_dcp_helpers_agree_with_the_rule():
     for world, interleave in [(1, 1), (2, 1), (4, 8), (3, 2)]:
         for n in range(0, 100):
+            ranks = [DcpSettings(world, r, interleave) for r in range(world)]
             counts = [0] * world
             for p in range(n):
-                owner = dcp_owner(p, world, interleave)
-                assert dcp_local_position(p, world, interleave) == counts[owner]
+                owner = ranks[0].owner(p)
+                assert [dcp.owns(p) for dcp in ranks] == [r == owner for r in range(world)]
+                assert ranks[owner].local_position(p) == counts[owner]
                 counts[owner] += 1
-            assert counts == [dcp_local_len(n, world, r, interleave) for r in range(world)]
+            assert counts == [dcp.local_len(n) for dcp in ranks]
+            lens = torch.arange(n + 1, dtype=torch.int32)
+            for dcp in ranks:  # the tensor form agrees with the int form
+                assert dcp.local_len(lens).tolist() == [dcp.local_len(m) for m in range(n + 1)]
 
 
 def ragged_batch(rng, num_reqs, max_query, max_prefix, page_size, extra_width=1):
@@ -66,13 +71,14 @@ def expected_slots(block_table, query_start_loc, positions, page_size, world=1, 
     """The rule written token by token (independent of both implementations)."""
     out = []
     cu = query_start_loc.tolist()
+    cycle = world * interleave
     for b in range(len(cu) - 1):
         for t in range(cu[b], cu[b + 1]):
             p = int(positions[t])
-            if dcp_owner(p, world, interleave) != rank:
+            if (p // interleave) % world != rank:
                 out.append(-1)
                 continue
-            local = dcp_local_position(p, world, interleave)
+            local = (p // cycle) * interleave + p % interleave
             out.append(int(block_table[b, local // page_size]) * page_size + local % page_size)
     return out
 
@@ -86,8 +92,7 @@ def test_ragged_batches_match_the_rule(impl, world, interleave):
         budget = len(pos) + rng.randint(0, 40)
         for rank in range(world):
             out = torch.full((budget,), -7, dtype=torch.int64)
-            compute_slot_mapping(bt, qsl, pos, out, dcp_world_size=world, dcp_rank=rank,
-                                 dcp_interleave=interleave, impl=impl)
+            compute_slot_mapping(bt, qsl, pos, out, dcp=DcpSettings(world, rank, interleave), impl=impl)
             want = expected_slots(bt, qsl, pos, 64, world, rank, interleave)
             assert out[: len(pos)].tolist() == want
             assert (out[len(pos):] == -1).all()
@@ -99,7 +104,7 @@ def test_every_token_has_exactly_one_dcp_owner(impl):
     world = 4
     owned = torch.zeros(len(pos), dtype=torch.int64)
     for rank in range(world):
-        out = compute_slot_mapping(bt, qsl, pos, dcp_world_size=world, dcp_rank=rank, dcp_interleave=2, impl=impl)
+        out = compute_slot_mapping(bt, qsl, pos, dcp=DcpSettings(world, rank, 2), impl=impl)
         owned += (out >= 0).long()
     assert (owned == 1).all()
 
@@ -132,36 +137,77 @@ def test_prefix_batch_in_a_padded_buffer(impl):
     assert out.tolist() == [9 * 64 + 62, 9 * 64 + 63, 5 * 64] + [-1] * 5
 
 
+# Both paths refuse the same inputs: the public function checks once, before either runs.
+REFUSED = [
+    # (block_table, query_start_loc, positions, out size or None, num_kernel_pages, message)
+    ([[1, 2]], [0, 1], [128], None, None, "only 2 pages wide"),
+    ([[1, -1]], [0, 1], [64], None, None, "which is -1"),
+    ([[1, 8]], [0, 1], [64], None, 8, "outside the pool of 8 pages"),
+    ([[1]], [0, 3], [0, 1, 2], 2, None, "room for 2"),
+    ([[1]], [0, 4], [0, 1, 2], None, None, "positions has 3"),
+    ([[1], [2]], [0, 3, 1], [0, 1, 2], None, None, "must not decrease"),
+    ([[1], [2]], [1, 2, 3], [0, 1, 2], None, None, r"query_start_loc\[0\]=1 must be 0"),
+    ([[1]], [0, 2], [0, -5], None, None, "positions must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("table, qsl, pos, out_size, num_pages, match", REFUSED)
+def test_both_paths_refuse_before_writing(impl, table, qsl, pos, out_size, num_pages, match):
+    out = torch.full((out_size or len(pos),), 77, dtype=torch.int64)
+    with pytest.raises(ValueError, match=match):
+        compute_slot_mapping(i32(table), i32(qsl), i64(pos), out, num_kernel_pages=num_pages, impl=impl)
+    assert (out == 77).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("table, qsl, pos, out_size, num_pages, match", REFUSED)
+def test_unchecked_bad_input_stays_in_bounds(impl, table, qsl, pos, out_size, num_pages, match):
+    """check=False never reads back: the same inputs give -1 or a slot of a usable table page, never more."""
+    out = torch.full((out_size or len(pos),), 77, dtype=torch.int64)
+    compute_slot_mapping(i32(table), i32(qsl), i64(pos), out, num_kernel_pages=num_pages, page_size=64,
+                         check=False, impl=impl)
+    limit = num_pages if num_pages is not None else 1 << 30
+    allowed = {p * 64 + r for row in table for p in row if 0 <= p < limit for r in range(64)} | {-1}
+    assert set(out.tolist()) <= allowed
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+@pytest.mark.interpret
+def test_unchecked_paths_agree_on_bad_input():
+    for table, qsl, pos, out_size, num_pages, _ in REFUSED:
+        outs = [compute_slot_mapping(i32(table), i32(qsl), i64(pos), torch.empty(out_size or len(pos),
+                                     dtype=torch.int64), num_kernel_pages=num_pages, check=False, impl=impl)
+                for impl in ("torch", "triton")]
+        assert outs[0].tolist() == outs[1].tolist(), (table, qsl, pos)
+
+
 class TestErrors:
-    def test_page_past_the_table_width(self):
-        with pytest.raises(ValueError, match="only 2 pages wide"):
-            compute_slot_mapping(i32([[1, 2]]), i32([0, 1]), i64([128]), impl="torch")
-
-    def test_unallocated_page(self):
-        with pytest.raises(ValueError, match="-1"):
-            compute_slot_mapping(i32([[1, -1]]), i32([0, 1]), i64([64]), impl="torch")
-
-    def test_slot_outside_the_pool(self):
-        with pytest.raises(ValueError, match="outside the pool of 8 pages"):
-            compute_slot_mapping(i32([[1, 8]]), i32([0, 1]), i64([64]), num_kernel_pages=8, impl="torch")
-
-    def test_buffer_too_small(self):
-        with pytest.raises(ValueError, match="room for 2"):
-            compute_slot_mapping(i32([[1]]), i32([0, 3]), i64([0, 1, 2]), torch.empty(2, dtype=torch.int64),
-                                 impl="torch")
-
     @pytest.mark.parametrize("kw, match", [
-        (dict(dcp_world_size=2, dcp_rank=2), "dcp_rank"),
-        (dict(dcp_interleave=0), "dcp_interleave"),
+        (dict(dcp=2), "dcp must be a DcpSettings"),
         (dict(impl="cuda"), "impl"),
         (dict(page_size=0), "page_size"),
+        (dict(page_size=64.0), "page_size must be an integer"),
+        (dict(num_kernel_pages=8.5), "num_kernel_pages"),
+        (dict(num_kernel_pages="8"), "num_kernel_pages"),
+        (dict(out=[0]), "out must be a contiguous int64"),
+        (dict(out=torch.empty(4, dtype=torch.int32)), "out must be a contiguous int64"),
+        (dict(out=torch.empty(8, dtype=torch.int64)[::2]), "out must be a contiguous int64"),
     ])
     def test_bad_settings(self, kw, match):
         with pytest.raises(ValueError, match=match):
             compute_slot_mapping(i32([[1]]), i32([0, 1]), i64([0]), **kw)
 
+    def test_bad_argument_types(self):
+        with pytest.raises(ValueError, match="block_table must be an int32 tensor.*got list"):
+            compute_slot_mapping([[1]], i32([0, 1]), i64([0]))
+        with pytest.raises(ValueError, match="query_start_loc must be int32 .*got list"):
+            compute_slot_mapping(i32([[1]]), [0, 1], i64([0]))
+        with pytest.raises(ValueError, match="positions must be int64 .*got tuple"):
+            compute_slot_mapping(i32([[1]]), i32([0, 1]), (0,))
+
     def test_bad_dtypes(self):
-        with pytest.raises(ValueError, match="block_table must be int32"):
+        with pytest.raises(ValueError, match="block_table must be an int32 tensor"):
             compute_slot_mapping(i64([[1]]), i32([0, 1]), i64([0]))
         with pytest.raises(ValueError, match="positions must be int64"):
             compute_slot_mapping(i32([[1]]), i32([0, 1]), i32([0]))
@@ -169,10 +215,20 @@ class TestErrors:
             compute_slot_mapping(i32([[1]]), i32([0, 1, 1]), i64([0]))
 
 
-@pytest.mark.skipif(not triton_available(), reason="needs triton")
-@pytest.mark.interpret
-def test_triton_drops_unresolvable_tokens_instead_of_writing_outside():
-    """The kernel cannot raise; a token without a valid page gets -1."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unchecked_paths_drop_unresolvable_tokens_instead_of_writing_outside(impl):
+    """With check=False nothing is read back: a token without a valid page gets -1 on both paths."""
     out = compute_slot_mapping(i32([[1, -1, 9]]), i32([0, 4]), i64([0, 64, 128, 192]), num_kernel_pages=8,
-                               impl="triton")
+                               check=False, impl=impl)
     assert out.tolist() == [64, -1, -1, -1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_inputs_on_both_paths(impl):
+    """Views (a transposed table, every other position) give what their contiguous copies give."""
+    table = torch.arange(12, dtype=torch.int32).view(3, 4).t()  # [4, 3], stride(1) == 4
+    qsl = torch.tensor([0, 1, 1, 2, 3], dtype=torch.int32)
+    pos = torch.tensor([5, -9, 70, -9, 130, -9], dtype=torch.int64)[::2]
+    out = compute_slot_mapping(table, qsl, pos, impl=impl)
+    ref = compute_slot_mapping(table.contiguous(), qsl, pos.contiguous(), impl="torch")
+    assert out.tolist() == ref.tolist() == [0 * 64 + 5, 6 * 64 + 6, 11 * 64 + 2]

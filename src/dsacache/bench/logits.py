@@ -12,13 +12,12 @@ engines); ``eager_us`` beside them adds the Python launch overhead of one call.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import torch
 
 from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
 from dsacache.formats.indexer_key import fp8_page_views, mxfp4_page_views, quantize_fp8, quantize_mxfp4
-from dsacache.formats.key_format import indexer_entry_bytes
+from dsacache.formats.key_format import IndexerKeyFormat, indexer_entry_bytes
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.indexer_logits import paged_decode_logits
 
@@ -35,8 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--next-n", type=int, default=1)
     parser.add_argument("--formats", nargs="+", default=["fp8", "mxfp4"], choices=["fp8", "mxfp4"])
-    parser.add_argument("--mxfp4-decode", nargs="+", default=["table"], choices=["table", "v1"],
-                        help="MXFP4 decodes to time, a row each (triton_kernels.DECODE_CONFIG['mxfp4_decode'])")
     parser.add_argument("--sweep", action="store_true",
                         help="also time a grid of launch settings at the largest shape and print each")
 
@@ -90,8 +87,8 @@ def make_inputs(batch: int, ctx: int, heads: int, next_n: int, pages: torch.Tens
 
 def check(args_tuple, fmt: str, max_model_len: int) -> float:
     """Run both paths once; raise CorrectnessError unless they agree."""
-    out = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="triton")
-    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="torch")
+    out = paged_decode_logits(*args_tuple, max_model_len=max_model_len, impl="triton")
+    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, impl="torch")
     if not torch.equal(torch.isneginf(out), torch.isneginf(ref)) or torch.isnan(out).any():
         raise CorrectnessError(f"{fmt} logits: -inf pattern differs from the reference (or NaN)")
     diff = calc_diff(out, ref)
@@ -107,36 +104,20 @@ def sweep_configs(fmt: str) -> list[dict]:
         grid = [(8, 2, 64), (16, 2, 64), (8, 3, 64), (8, 2, None)]
         return [{"TILES": tiles, "num_stages": stages, "maxnreg": cap} for tiles, stages, cap in grid]
     grid = [(16, 2, None), (8, 2, None), (32, 2, None), (16, 3, None), (8, 3, None), (16, 2, 64)]
-    configs = [{"TILES": tiles, "num_stages": stages, "maxnreg": cap, "mxfp4_decode": "table"}
-               for tiles, stages, cap in grid]
-    v1 = {"TILES": 16, "num_stages": 2, "mxfp4_decode": "v1"}
-    return configs + [v1, {**v1, "mxfp4_asm": False}]
-
-
-@contextlib.contextmanager
-def mxfp4_decode(name: str):
-    """Launches inside use the MXFP4 decode ``name`` (the launcher reads DECODE_CONFIG at each call)."""
-    from dsacache.ops.indexer_logits import triton_kernels
-
-    saved = triton_kernels.DECODE_CONFIG["mxfp4_decode"]
-    triton_kernels.DECODE_CONFIG["mxfp4_decode"] = name
-    try:
-        yield
-    finally:
-        triton_kernels.DECODE_CONFIG["mxfp4_decode"] = saved
+    return [{"TILES": tiles, "num_stages": stages, "maxnreg": cap} for tiles, stages, cap in grid]
 
 
 def run_sweep(args_tuple, fmt: str, max_model_len: int, ceiling: float, nbytes: int) -> None:
-    from dsacache.ops.indexer_logits import triton_kernels
+    from dsacache.ops.indexer_logits.launch import launch_paged_decode
 
     q, weights, seq_lens, pages, block_table = args_tuple
     values, scales = (fp8_page_views if fmt == "fp8" else mxfp4_page_views)(pages, HEAD_DIM)
     out = torch.empty(q.shape[0] * q.shape[1], max_model_len, dtype=torch.float32, device=q.device)
-    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, indexer_kv_dtype=fmt, impl="torch")
+    ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, impl="torch")
     for cfg in sweep_configs(fmt):
         def launch():
-            triton_kernels.launch_paged_decode(q, weights, seq_lens, values, scales, block_table, out,
-                                               fmt == "mxfp4", cfg)
+            launch_paged_decode(q, weights, seq_lens, values, scales, block_table, out,
+                                IndexerKeyFormat(fmt, HEAD_DIM), cfg)
         try:
             launch()
             ok = calc_diff(out, ref) < TOLERANCE[fmt] and torch.equal(out.isneginf(), ref.isneginf())
@@ -149,23 +130,23 @@ def run_sweep(args_tuple, fmt: str, max_model_len: int, ceiling: float, nbytes: 
               f"{'' if ok else ' WRONG'}", flush=True)
 
 
-def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, decode: str | None) -> BenchRow:
+def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict) -> BenchRow:
     """Check, then time the public function on one shape (FP8 times are kept for the speedup column)."""
     heads = inputs[0].shape[2]
     diff = check(inputs, fmt, ctx)
     def call():
-        return paged_decode_logits(*inputs, max_model_len=ctx, indexer_kv_dtype=fmt)
+        return paged_decode_logits(*inputs, max_model_len=ctx)
     ms = time_graph(call)
     extra = {"calc_diff": f"{diff:.1e}", "eager_us": f"{time_cuda(call) * 1e3:.1f}"}
     if fmt == "fp8":
         fp8_ms[(ctx, heads)] = ms
     elif (ctx, heads) in fp8_ms:
         extra["speedup_vs_fp8"] = f"{fp8_ms[(ctx, heads)] / ms:.2f}x"
-    shape = f"{fmt} B={args.batch} ctx={ctx} H={heads} next_n={args.next_n}" + (f" decode={decode}" if decode else "")
-    from dsacache.ops.indexer_logits.triton_kernels import decode_kernel
+    shape = f"{fmt} B={args.batch} ctx={ctx} H={heads} next_n={args.next_n}"
+    from dsacache.ops.indexer_logits.launch import decode_kernel
 
     views = (mxfp4_page_views if fmt == "mxfp4" else fp8_page_views)(inputs[3], HEAD_DIM)
-    extra["kernel"] = decode_kernel(inputs[0], views[0], views[1], fmt == "mxfp4")
+    extra["kernel"] = decode_kernel(inputs[0], views[0], views[1], IndexerKeyFormat(fmt, HEAD_DIM))
     return BenchRow("paged_decode_logits", shape, ms, nbytes, args.ceiling_gbps, extra)
 
 
@@ -181,10 +162,8 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
                 q, weights, seq_lens, block_table = make_inputs(args.batch, ctx, heads, args.next_n, pages)
                 inputs = (q, weights, seq_lens, pages, block_table)
                 nbytes = args.batch * ctx * entry + args.batch * args.next_n * ctx * 4
-                for decode in (args.mxfp4_decode if fmt == "mxfp4" else [None]):
-                    with mxfp4_decode(decode) if decode else contextlib.nullcontext():
-                        rows.append(time_row(args, inputs, fmt, ctx, nbytes, fp8_ms, decode))
-                    print(rows[-1].line(), flush=True)
+                rows.append(time_row(args, inputs, fmt, ctx, nbytes, fp8_ms))
+                print(rows[-1].line(), flush=True)
                 if args.sweep and ctx == max(args.ctx):
                     run_sweep(inputs, fmt, ctx, args.ceiling_gbps, nbytes)
         del pages

@@ -72,6 +72,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help='e.g. \'{"method": "dspark", "num_speculative_tokens": 3, "model": "kimi-k3.1-dspark"}\'')
     parser.add_argument("--prefill-context-parallel-size", type=int, default=1, metavar="N")
     parser.add_argument("--decode-context-parallel-size", type=int, default=1, metavar="N")
+    parser.add_argument("--cp-kv-cache-interleave-size", type=int, default=1, metavar="N",
+                        help="under DCP, consecutive tokens a rank stores before the next one's turn (default 1)")
     parser.add_argument("--target-arch", default="sm90", choices=TARGET_ARCHS,
                         help="GPU architecture; decides which backends can read MXFP4 keys (default sm90)")
     parser.add_argument("--indexer-backend", default="triton", choices=INDEXER_BACKENDS,
@@ -111,6 +113,7 @@ def configs_from_args(args: argparse.Namespace) -> list[CacheConfig]:
         speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
         prefill_context_parallel_size=args.prefill_context_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,
+        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
         target_arch=args.target_arch,
         indexer_backend=args.indexer_backend,
         reference_tp=args.reference_tp,

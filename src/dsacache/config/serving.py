@@ -165,10 +165,13 @@ class CacheConfig:
     reference_tp: int = PD_REFERENCE_TP
     alignment: int = KERNEL_PAGE_SIZE
     cache_memory_bytes: int = field(default=int(H200_MEMORY_BYTES * DEFAULT_CACHE_FRACTION))
+    #: Under DCP, consecutive tokens one rank stores before the next rank's turn (vLLM's name);
+    #: the planner checks that it divides the block size.
+    cp_kv_cache_interleave_size: int = 1
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size",
-                     "reference_tp", "alignment", "cache_memory_bytes"):
+                     "reference_tp", "alignment", "cache_memory_bytes", "cp_kv_cache_interleave_size"):
             _positive_int(getattr(self, name), name)
         self._check_choices()
         self._check_parallelism()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 from dsacache.config.serving import CacheConfig, ConfigError
@@ -91,6 +92,12 @@ class CacheLayout:
         return self.block_size * self.row_bytes_per_token
 
     @property
+    def tokens_per_row(self) -> int:
+        """A request's tokens one attention row covers: ``block_size x`` the DCP world size
+        (each rank stores its share of them in its own copy of the row)."""
+        return self.block_size * self.config.decode_context_parallel_size
+
+    @property
     def num_kernel_pages(self) -> int:
         """Kernel pages in the pool: the first dim of every per-layer view."""
         return self.num_rows * self.pages_per_row
@@ -146,11 +153,12 @@ class CacheLayout:
         return self.config.kv_cache_dtype
 
     def attention_rows_for(self, num_tokens: int) -> int:
-        """Attention rows that ``num_tokens`` tokens occupy."""
-        return math.ceil(num_tokens / self.block_size)
+        """Attention rows (on each rank) that a request of ``num_tokens`` tokens occupies; see
+        :func:`attention_rows_for`, with this layout's block size and DCP world size."""
+        return attention_rows_for(num_tokens, self.block_size, self.config.decode_context_parallel_size)
 
     def rows_per_request(self, num_tokens: int) -> int:
-        """State rows plus attention rows that one request of ``num_tokens`` occupies."""
+        """State rows plus attention rows that one request of ``num_tokens`` occupies (on each rank)."""
         return self.state_rows_per_request + self.attention_rows_for(num_tokens)
 
     def with_block_size(self, block_size: int) -> "CacheLayout":
@@ -159,8 +167,35 @@ class CacheLayout:
             raise ConfigError(f"block_size={block_size} must be a multiple of {self.kernel_page_size}")
         if block_size * self.row_bytes_per_token < self.states_per_row * self.state_bytes:
             raise ConfigError(f"block_size={block_size} rows cannot hold {self.states_per_row} KDA states")
+        _check_interleave(self.config, block_size)
         num_rows = self.pool_bytes // (block_size * self.row_bytes_per_token)
         return dataclasses.replace(self, block_size=block_size, num_rows=num_rows)
+
+
+def _check_interleave(config: CacheConfig, block_size: int) -> None:
+    """A row must cover the same global tokens on every DCP rank: the interleave divides the block."""
+    interleave = config.cp_kv_cache_interleave_size
+    if block_size % interleave:
+        raise ConfigError(f"cp_kv_cache_interleave_size={interleave} must divide the block size {block_size}; "
+                          "use 1 or a power of two up to 64")
+
+
+def attention_rows_for(num_tokens: int, block_size: int, dcp_world_size: int = 1) -> int:
+    """Attention rows a request of ``num_tokens`` tokens occupies on each rank.
+
+    The one rule behind the planner's concurrency figure, the row allocator and the
+    simulator. A row holds ``block_size`` tokens of each rank's share of the request, and
+    under decode context parallelism every rank holds the same row ids, so a row covers
+    ``block_size x dcp_world_size`` of the request's tokens: ``ceil(num_tokens / that)``.
+    (That is rank 0's count, the busiest rank, whenever the interleave divides the block.)
+
+    >>> attention_rows_for(3000, 1216), attention_rows_for(3000, 1216, dcp_world_size=2)
+    (3, 2)
+    """
+    integer = type(num_tokens) is int or (isinstance(num_tokens, numbers.Integral) and not isinstance(num_tokens, bool))
+    if not integer or num_tokens < 0:
+        raise ConfigError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+    return -(-int(num_tokens) // (block_size * dcp_world_size))
 
 
 def packed_block_size(config: CacheConfig, row_bytes_per_token: int, states_per_row: int) -> tuple[int, int]:
@@ -229,6 +264,7 @@ def plan(config: CacheConfig, num_rows: int | None = None) -> CacheLayout:
         kind, kda_slots = "paged", ()
     if state is not None and state.recurrent_offset % 4 or (state and state.nbytes % 4):
         raise ConfigError(f"KDA state of {state.nbytes} B is not 4-byte aligned; fp32 recurrent states need it")
+    _check_interleave(config, block)
     rows = config.cache_memory_bytes // (block * per_token) if num_rows is None else num_rows
     if rows < 0:
         raise ConfigError(f"num_rows must be >= 0, got {rows}")

@@ -15,15 +15,17 @@ STABLE_KEYS = (
 
 
 def request_bytes(layout: CacheLayout, context_length: int) -> int:
-    """Pool bytes one request of ``context_length`` tokens needs (states included)."""
+    """Pool bytes one request of ``context_length`` tokens needs on each rank (states included)."""
     if layout.is_packed:
         return layout.rows_per_request(context_length) * layout.row_bytes
-    pages = math.ceil(context_length / layout.kernel_page_size)
+    # A paged layout's rows are single kernel pages; its KDA states live beside the pool.
+    pages = layout.attention_rows_for(context_length)
     return pages * layout.page_stride_bytes + layout.num_kda_layers * layout.state_bytes
 
 
 def max_concurrent_requests(layout: CacheLayout, context_length: int) -> int:
-    """How many requests of ``context_length`` tokens fit at once (each with its state rows)."""
+    """How many requests of ``context_length`` tokens fit at once (each with its state rows);
+    under DCP, on every rank of the group (each holds its share of every request)."""
     if layout.is_packed:
         return layout.num_rows // layout.rows_per_request(context_length)
     return layout.config.cache_memory_bytes // request_bytes(layout, context_length)
@@ -32,13 +34,13 @@ def max_concurrent_requests(layout: CacheLayout, context_length: int) -> int:
 def waste(layout: CacheLayout, context_length: int) -> dict:
     """Empty bytes in a state row and in a request's attention rows (the last row's tail)."""
     rows = layout.attention_rows_for(context_length)
-    tail_tokens = rows * layout.block_size - context_length
+    tail_tokens = rows * layout.tokens_per_row - context_length
     states = layout.states_per_row * layout.state_bytes
     return {
         "state_row_empty_bytes": layout.row_bytes - states if layout.is_packed else None,
         "state_row_empty_fraction": round(1 - states / layout.row_bytes, 4) if layout.is_packed else None,
         "attention_tail_tokens": tail_tokens,
-        "attention_empty_fraction": round(tail_tokens / (rows * layout.block_size), 4) if rows else 0.0,
+        "attention_empty_fraction": round(tail_tokens / (rows * layout.tokens_per_row), 4) if rows else 0.0,
     }
 
 
@@ -78,6 +80,7 @@ def summarize(layout: CacheLayout, context_length: int) -> dict:
         "num_rows": layout.num_rows,
         "token_capacity": layout.token_capacity,
         "tensor_parallel_size": config.tensor_parallel_size,
+        "decode_context_parallel_size": config.decode_context_parallel_size,
         "reference_tp": layout.reference_tp,
         "kv_cache_dtype": config.kv_cache_dtype,
         "num_speculative_tokens": config.num_speculative_tokens,
@@ -94,6 +97,7 @@ def summarize(layout: CacheLayout, context_length: int) -> dict:
         "row_bytes": layout.row_bytes,
         "cache_memory_bytes": config.cache_memory_bytes,
         "context_length": context_length,
+        "attention_rows_per_request": layout.attention_rows_for(context_length),
         "max_concurrent_requests": fits,
         "mxfp4_readable_by": [b for b, archs in MXFP4_READERS.items() if config.target_arch in archs],
         "target_arch": config.target_arch,
@@ -191,7 +195,7 @@ def _packed_lines(s: dict) -> list[str]:
         f"  rows {s['num_rows']:,}, token capacity {s['token_capacity']:,}",
         f"  requests of {s['context_length']:,} tokens at once: {s['max_concurrent_requests']:,} "
         f"({s['state_rows_per_request']} state rows + "
-        f"{math.ceil(s['context_length'] / s['block_size'])} attention rows each)",
+        f"{s['attention_rows_per_request']} attention rows each{_dcp_share(s)})",
         "",
         f"Waste                         packed ({s['block_size']:>5})   power of two ({p2['block_size']:>5})",
         f"  state row left empty        {s['state_row_empty_fraction']:>14.1%}   {p2['state_row_empty_fraction']:>19.1%}",
@@ -199,6 +203,14 @@ def _packed_lines(s: dict) -> list[str]:
         f"  requests that fit           {s['max_concurrent_requests']:>14,}   {p2['max_concurrent_requests']:>19,}",
     ]
     return lines
+
+
+def _dcp_share(s: dict) -> str:
+    """Under DCP a row covers ``dcp x block_size`` tokens of a request (each rank holds its share)."""
+    dcp = s["decode_context_parallel_size"]
+    if dcp == 1:
+        return ""
+    return f"; DCP {dcp}: a row covers {dcp * s['block_size']:,} tokens, each rank storing its share"
 
 
 def _sub_row_lines(s: dict) -> list[str]:

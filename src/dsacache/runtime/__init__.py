@@ -8,7 +8,7 @@ built once and read by every layer.
 
 from dsacache.runtime.allocator import OutOfRowsError, PrefixStats, RowAllocator
 from dsacache.runtime.block_table import build_block_table, kernel_pages
-from dsacache.runtime.dcp import dcp_local_len, dcp_local_lens, dcp_local_position, dcp_owner
+from dsacache.runtime.dcp import DcpSettings
 from dsacache.runtime.metadata import (
     IndexerStepMetadata,
     PrefillChunk,
@@ -21,8 +21,7 @@ from dsacache.runtime.prefix import PrefixCache, hash_block
 from dsacache.runtime.slot_mapping import compute_slot_mapping
 
 __all__ = [
-    "CachePool", "IndexerStepMetadata", "OutOfRowsError", "PrefillChunk", "PrefixCache", "PrefixStats",
-    "RowAllocator", "build_block_table", "build_indexer_metadata", "compute_slot_mapping",
-    "dcp_local_len", "dcp_local_lens", "dcp_local_position", "dcp_owner", "decode_context_lens", "hash_block",
-    "kernel_pages", "plan_prefill_chunks",
+    "CachePool", "DcpSettings", "IndexerStepMetadata", "OutOfRowsError", "PrefillChunk", "PrefixCache", "PrefixStats",
+    "RowAllocator", "build_block_table", "build_indexer_metadata", "compute_slot_mapping", "decode_context_lens",
+    "hash_block", "kernel_pages", "plan_prefill_chunks",
 ]

@@ -2,8 +2,9 @@
 
 All rows are equal and come from one free list. A request owns
 ``state_rows_per_request`` *state rows* (its KDA states) for its whole life, and one
-*attention row* per ``block_size`` tokens (per ``block_size * dcp_world_size`` tokens
-with decode context parallelism, since each rank stores only its share).
+*attention row* per ``block_size`` tokens (per ``block_size x dcp.world_size`` tokens
+with decode context parallelism: every rank holds the same row ids, each storing its
+share of the row's tokens).
 
 Every row is in exactly one of three places: the free list, in use (reference count
 >= 1), or parked in the prefix cache (a full block nobody owns, reusable by content
@@ -21,17 +22,62 @@ token is always computed and a request never writes into a shared row.
 
 from __future__ import annotations
 
+import dataclasses
+from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.planner.layout import attention_rows_for
 from dsacache.runtime.block_table import build_block_table, kernel_pages
-from dsacache.runtime.dcp import dcp_local_len
+from dsacache.runtime.checks import int_arg, optional_int_arg
+from dsacache.runtime.dcp import NO_DCP, DcpSettings, check_dcp
 from dsacache.runtime.prefix import BlockHash, PrefixCache, hash_block
 
 RequestId = Hashable
+
+
+def _check_id(request_id: object) -> RequestId:
+    try:
+        hash(request_id)
+    except TypeError:
+        raise ValueError(f"request id must be hashable, got a {type(request_id).__name__}") from None
+    return request_id
+
+
+def _token_id_array(token_ids: object) -> array:
+    """Token ids as an int64 ``array`` (one pass, before anything changes); see :class:`RowAllocator`."""
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        return token_ids
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype.is_complex \
+                or token_ids.dtype == torch.bool:
+            raise ValueError(f"token_ids as a tensor must be 1-D of an integer dtype, got {token_ids.dtype} "
+                             f"{tuple(token_ids.shape)}")
+        token_ids = token_ids.tolist()
+    elif hasattr(token_ids, "dtype") and hasattr(token_ids, "tolist"):  # a NumPy array
+        if getattr(token_ids, "ndim", None) != 1 or token_ids.dtype.kind not in "iu":
+            raise ValueError(f"token_ids as an array must be 1-D of an integer dtype, got {token_ids.dtype}")
+        token_ids = token_ids.tolist()
+    elif not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes, bytearray)):
+        raise ValueError(f"token_ids must be a sequence of integers, got {type(token_ids).__name__}")
+    try:
+        return array("q", token_ids)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"token_ids must hold integers in the int64 range ({exc})") from None
+
+
+def _tokens_and_count(token_ids, count, count_name: str) -> tuple[array | None, int]:
+    """(token ids as an array or None, the token count): checked and consistent."""
+    tokens = None if token_ids is None else _token_id_array(token_ids)
+    if count is None:
+        return tokens, len(tokens)
+    count = int_arg(count, count_name)
+    if tokens is not None and len(tokens) != count:
+        raise ValueError(f"{count_name}={count} but {len(tokens)} token_ids")
+    return tokens, count
 
 
 class OutOfRowsError(RuntimeError):
@@ -46,7 +92,7 @@ class _Request:
     num_cached_tokens: int = 0
     last_hash: BlockHash | None = None
     # Token ids of the unfinished block; None once ids stop being known (no more hashing).
-    pending: list[int] | None = field(default_factory=list)
+    pending: array | None = field(default_factory=lambda: array("q"))
 
 
 @dataclass
@@ -64,6 +110,14 @@ class PrefixStats:
 
 class RowAllocator:
     """Rows of one pool handed to requests; see the module docstring for the rules.
+
+    Every call checks all its arguments before it changes anything: a call that raises
+    leaves the allocator exactly as it was. Request ids are any hashable values; token
+    counts are integers (Python or NumPy, not ``bool``, not float); token ids are a
+    sequence of integers in the int64 range (a list, tuple, range or ``array``, a 1-D
+    NumPy integer array, or a 1-D integer torch tensor, read back to the host once;
+    inside a list a ``bool`` counts as 0 or 1, as Python has it). An int64 ``array``
+    (typecode ``"q"``) is used without a copy, and never modified.
 
     >>> alloc = RowAllocator(num_rows=8, block_size=128, state_rows_per_request=1)
     >>> alloc.add("a", list(range(200)))      # 1 state row + 2 attention rows
@@ -83,43 +137,33 @@ class RowAllocator:
         *,
         enable_prefix_reuse: bool = True,
         max_num_pages_per_request: int | None = None,
-        dcp_world_size: int = 1,
-        dcp_interleave: int = 1,
+        dcp: DcpSettings = NO_DCP,
     ) -> None:
-        self._check_settings(num_rows, block_size, state_rows_per_request, dcp_world_size, dcp_interleave)
-        self.num_rows = num_rows
-        self.block_size = block_size
-        self.pages_per_row = block_size // KERNEL_PAGE_SIZE
-        self.state_rows_per_request = state_rows_per_request
-        self.tokens_per_row = block_size * dcp_world_size
-        self.dcp_world_size = dcp_world_size
-        self.dcp_interleave = dcp_interleave
-        self.max_num_pages_per_request = max_num_pages_per_request
+        self.num_rows = int_arg(num_rows, "num_rows", 1)
+        self.block_size = int_arg(block_size, "block_size", KERNEL_PAGE_SIZE)
+        if self.block_size % KERNEL_PAGE_SIZE:
+            raise ValueError(f"block_size={block_size} must be a positive multiple of {KERNEL_PAGE_SIZE}")
+        self.state_rows_per_request = int_arg(state_rows_per_request, "state_rows_per_request")
+        self.max_num_pages_per_request = optional_int_arg(max_num_pages_per_request, "max_num_pages_per_request", 1)
+        if not isinstance(enable_prefix_reuse, bool):
+            raise ValueError(f"enable_prefix_reuse must be True or False, got {enable_prefix_reuse!r}")
+        check_dcp(dcp).check_block_size(self.block_size)
+        self.pages_per_row = self.block_size // KERNEL_PAGE_SIZE
+        self.dcp = dcp
+        self.tokens_per_row = self.block_size * dcp.world_size
+        # Rank 0 stores the most of every request: its page count sizes every rank's table.
+        self._busiest_rank = dataclasses.replace(dcp, rank=0)
         self.prefix = PrefixCache() if enable_prefix_reuse else None
         self.stats = PrefixStats()
         # Popped from the end: rows are handed out in increasing order from a fresh pool.
-        self._free: list[int] = list(range(num_rows - 1, -1, -1))
-        self._refs = [0] * num_rows
+        self._free: list[int] = list(range(self.num_rows - 1, -1, -1))
+        self._refs = [0] * self.num_rows
         self._requests: dict[RequestId, _Request] = {}
-
-    @staticmethod
-    def _check_settings(num_rows, block_size, state_rows, world, interleave) -> None:
-        if num_rows < 1:
-            raise ValueError(f"num_rows={num_rows} must be >= 1")
-        if block_size < KERNEL_PAGE_SIZE or block_size % KERNEL_PAGE_SIZE:
-            raise ValueError(f"block_size={block_size} must be a positive multiple of {KERNEL_PAGE_SIZE}")
-        if state_rows < 0:
-            raise ValueError(f"state_rows_per_request={state_rows} must be >= 0")
-        if world < 1 or interleave < 1:
-            raise ValueError(f"dcp_world_size={world} and dcp_interleave={interleave} must be >= 1")
-        if block_size % interleave:
-            # A row then covers the same global tokens on every rank, so it can be hashed.
-            raise ValueError(f"dcp_interleave={interleave} must divide block_size={block_size}")
 
     @classmethod
     def from_layout(cls, layout, *, num_rows: int | None = None, **kwargs) -> RowAllocator:
-        """An allocator for a planned ``CacheLayout`` (DCP world size from its config)."""
-        kwargs.setdefault("dcp_world_size", layout.config.decode_context_parallel_size)
+        """An allocator for a planned ``CacheLayout`` (DCP settings from its config)."""
+        kwargs.setdefault("dcp", DcpSettings.from_config(layout.config))
         return cls(
             num_rows if num_rows is not None else layout.num_rows,
             layout.block_size,
@@ -153,14 +197,15 @@ class RowAllocator:
         return self.prefix.num_parked if self.prefix else 0
 
     def rows_for_tokens(self, num_tokens: int) -> int:
-        """Attention rows that hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.tokens_per_row)
+        """Attention rows that hold ``num_tokens`` tokens (the planner's rule,
+        :func:`dsacache.planner.layout.attention_rows_for`)."""
+        return attention_rows_for(num_tokens, self.block_size, self.dcp.world_size)
 
     # Lifecycle -----------------------------------------------------------------------
 
     def can_add(self, token_ids: Sequence[int] | None = None, num_tokens: int | None = None) -> bool:
         """Whether ``add`` would succeed now for a prompt of these tokens."""
-        num_tokens = self._prompt_len(token_ids, num_tokens)
+        token_ids, num_tokens = self._prompt(token_ids, num_tokens)
         hits = self._lookup_prefix(token_ids, num_tokens)
         return self._new_rows_for_prompt(num_tokens, hits) <= self._rows_available(hits)
 
@@ -176,9 +221,9 @@ class RowAllocator:
         out). Returns how many leading prompt tokens are already in the cache.
         Raises ``OutOfRowsError`` (nothing allocated) when the rows are not there.
         """
-        if request_id in self._requests:
+        if _check_id(request_id) in self._requests:
             raise ValueError(f"request id {request_id!r} is already allocated")
-        num_tokens = self._prompt_len(token_ids, num_tokens)
+        token_ids, num_tokens = self._prompt(token_ids, num_tokens)
         hits = self._lookup_prefix(token_ids, num_tokens)
         needed = self._new_rows_for_prompt(num_tokens, hits)
         if needed > self._rows_available(hits):
@@ -198,7 +243,7 @@ class RowAllocator:
     def can_extend(self, request_id: RequestId, num_new_tokens: int) -> bool:
         """Whether ``extend`` by ``num_new_tokens`` would succeed now."""
         request = self._get(request_id)
-        return self._rows_to_grow(request, num_new_tokens) <= self.num_free_rows
+        return self._rows_to_grow(request, int_arg(num_new_tokens, "num_new_tokens")) <= self.num_free_rows
 
     def extend(
         self,
@@ -213,14 +258,9 @@ class RowAllocator:
         blocks are not shared. Raises ``OutOfRowsError`` (nothing changes) when short.
         """
         request = self._get(request_id)
-        if num_new_tokens is None:
-            if token_ids is None:
-                raise ValueError("extend needs num_new_tokens or token_ids")
-            num_new_tokens = len(token_ids)
-        if token_ids is not None and len(token_ids) != num_new_tokens:
-            raise ValueError(f"{len(token_ids)} token_ids given for num_new_tokens={num_new_tokens}")
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
+        if num_new_tokens is None and token_ids is None:
+            raise ValueError("extend needs num_new_tokens or token_ids")
+        token_ids, num_new_tokens = _tokens_and_count(token_ids, num_new_tokens, "num_new_tokens")
         needed = self._rows_to_grow(request, num_new_tokens)
         if needed > self.num_free_rows:
             raise OutOfRowsError(
@@ -264,7 +304,7 @@ class RowAllocator:
 
     def num_pages(self, request_id: RequestId) -> int:
         """Kernel pages the request's tokens use on the busiest DCP rank (rank 0)."""
-        local = dcp_local_len(self._get(request_id).num_tokens, self.dcp_world_size, 0, self.dcp_interleave)
+        local = self._busiest_rank.local_len(self._get(request_id).num_tokens)
         return -(-local // KERNEL_PAGE_SIZE)
 
     def kernel_pages(self, request_id: RequestId) -> list[int]:
@@ -306,7 +346,7 @@ class RowAllocator:
     # Internals -----------------------------------------------------------------------
 
     def _check_known(self, request_id: RequestId) -> RequestId:
-        if request_id not in self._requests:
+        if _check_id(request_id) not in self._requests:
             raise ValueError(f"unknown request id {request_id!r}")
         return request_id
 
@@ -314,18 +354,13 @@ class RowAllocator:
         return self._requests[self._check_known(request_id)]
 
     @staticmethod
-    def _prompt_len(token_ids: Sequence[int] | None, num_tokens: int | None) -> int:
+    def _prompt(token_ids, num_tokens) -> tuple[array | None, int]:
         if token_ids is None and num_tokens is None:
             raise ValueError("give token_ids or num_tokens")
-        if token_ids is not None and num_tokens is not None and num_tokens != len(token_ids):
-            raise ValueError(f"num_tokens={num_tokens} but {len(token_ids)} token_ids")
-        n = len(token_ids) if token_ids is not None else num_tokens
-        if n < 0:
-            raise ValueError(f"num_tokens={n} must be >= 0")
-        return n
+        return _tokens_and_count(token_ids, num_tokens, "num_tokens")
 
     @staticmethod
-    def _tail(token_ids: Sequence[int] | None, start: int) -> Sequence[int] | None:
+    def _tail(token_ids: array | None, start: int) -> array | None:
         return None if token_ids is None else token_ids[start:]
 
     def _lookup_prefix(self, token_ids: Sequence[int] | None, num_tokens: int) -> list[int]:

@@ -17,6 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
+from dsacache.runtime.checks import device_arg, int_arg, int_list, optional_int_arg
+
+#: Page ids must fit the int32 block table.
+_MAX_PAGE = 2**31 - 1
+
 
 def check_block_table(block_table: object, num_requests: int | None = None, *, name: str = "block_table",
                       min_width: int = 0) -> None:
@@ -53,6 +58,8 @@ def lookup_pages(block_table: torch.Tensor, requests: torch.Tensor, blocks: torc
 
 def kernel_pages(rows: Sequence[int], pages_per_row: int, num_pages: int) -> list[int]:
     """The first ``num_pages`` kernel page ids of a request that owns ``rows`` in order."""
+    rows = int_list(rows, "rows")
+    pages_per_row, num_pages = int_arg(pages_per_row, "pages_per_row", 1), int_arg(num_pages, "num_pages")
     if num_pages > len(rows) * pages_per_row:
         raise ValueError(
             f"num_pages={num_pages} is more than the {len(rows)} rows x "
@@ -77,8 +84,13 @@ def build_block_table(
     tensor([[ 4,  5,  6, -1],
             [ 9, -1, -1, -1]], dtype=torch.int32)
     """
+    if isinstance(page_lists, (str, bytes)) or not isinstance(page_lists, Sequence):
+        raise ValueError(f"page_lists must be a sequence of page id lists, got {type(page_lists).__name__}")
+    page_lists = [_page_list(pages, f"page_lists[{i}]") for i, pages in enumerate(page_lists)]
+    device = device_arg(device)
     longest = max((len(pages) for pages in page_lists), default=0)
-    width = longest if width is None else width
+    width = longest if width is None else int_arg(width, "width")
+    max_width = optional_int_arg(max_width, "max_width")
     if width < longest:
         raise ValueError(f"width={width} is narrower than the longest page list ({longest} pages)")
     if max_width is not None and width > max_width:
@@ -87,3 +99,10 @@ def build_block_table(
     for i, pages in enumerate(page_lists):
         table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
     return table.to(device)
+
+
+def _page_list(pages: object, name: str) -> list[int]:
+    pages = int_list(pages, name)
+    if pages and max(pages) > _MAX_PAGE:
+        raise ValueError(f"{name} holds page {max(pages)}, past the int32 table's {_MAX_PAGE}")
+    return pages

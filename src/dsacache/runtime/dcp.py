@@ -1,45 +1,97 @@
 """Decode context parallelism (DCP): which rank stores a token, and where.
 
-Position ``p`` belongs to rank ``(p // interleave) % world``; on that rank it sits at the
-local position ``(p // (interleave * world)) * interleave + p % interleave``. Every rank
-keeps its own pool and a block table over its local positions.
+Position ``p`` belongs to rank ``(p // interleave) % world_size``; on that rank it sits at
+the local position ``(p // (interleave * world_size)) * interleave + p % interleave``.
+Every rank keeps its own pool and a block table over its local positions. The formula is
+defined once here, for ints and integer tensors alike; the Triton slot-mapping kernel
+has its one ``@triton.jit`` copy (``slot_mapping_triton._dcp_local``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TypeVar
+
 import torch
 
+from dsacache.runtime.checks import int_arg
 
-def check_dcp(world_size: int, rank: int, interleave: int) -> None:
-    """Raise a ``ValueError`` naming the bad DCP setting."""
-    if world_size < 1:
-        raise ValueError(f"dcp_world_size={world_size} must be >= 1")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"dcp_rank={rank} must be in [0, dcp_world_size={world_size})")
-    if interleave < 1:
-        raise ValueError(f"dcp_interleave={interleave} must be >= 1")
+Positions = TypeVar("Positions", int, torch.Tensor)
 
 
-def dcp_owner(position: int, world_size: int, interleave: int) -> int:
-    """The DCP rank that stores the token at ``position``."""
-    return (position // interleave) % world_size
+@dataclass(frozen=True)
+class DcpSettings:
+    """The DCP group a rank belongs to: validated once, handed to the allocator, the slot
+    mapping and the step metadata builder.
+
+    Attributes:
+        world_size: ranks a request's tokens are spread over (``decode_context_parallel_size``).
+        rank: this rank, ``0 <= rank < world_size``.
+        interleave: consecutive tokens a rank takes before the next rank's turn
+            (``cp_kv_cache_interleave_size``); it must divide the block size (the allocator
+            and the planner check that, they know the block).
+
+    >>> dcp = DcpSettings(world_size=2, rank=1)
+    >>> [dcp.owner(p) for p in range(4)], dcp.local_position(3), dcp.local_len(5)
+    ([0, 1, 0, 1], 1, 2)
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    interleave: int = 1
+
+    def __post_init__(self) -> None:
+        int_arg(self.world_size, "DCP world_size (decode_context_parallel_size)", 1)
+        int_arg(self.interleave, "DCP interleave (cp_kv_cache_interleave_size)", 1)
+        int_arg(self.rank, "DCP rank", 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"DCP rank={self.rank} must be in [0, world_size={self.world_size})")
+
+    @classmethod
+    def from_config(cls, config, rank: int = 0) -> DcpSettings:
+        """The settings of ``rank`` in the DCP group a :class:`CacheConfig` plans for."""
+        return cls(config.decode_context_parallel_size, rank, config.cp_kv_cache_interleave_size)
+
+    @property
+    def cycle(self) -> int:
+        """Positions after which the owner pattern repeats: ``interleave x world_size``."""
+        return self.interleave * self.world_size
+
+    def owner(self, position: Positions) -> Positions:
+        """The rank that stores the token at ``position`` (an int, or elementwise over a tensor)."""
+        return (position // self.interleave) % self.world_size
+
+    def owns(self, position: Positions):
+        """Whether this rank stores the token at ``position`` (bool, or a bool tensor)."""
+        return self.owner(position) == self.rank
+
+    def local_position(self, position: Positions) -> Positions:
+        """The token's position in its owner's local sequence."""
+        return (position // self.cycle) * self.interleave + position % self.interleave
+
+    def local_len(self, seq_len: Positions) -> Positions:
+        """How many of the positions ``[0, seq_len)`` this rank stores. Over an int32 tensor of
+        lengths it stays on the device (graph-capturable) and returns int32."""
+        full, rest = seq_len // self.cycle, seq_len % self.cycle - self.rank * self.interleave
+        if isinstance(rest, torch.Tensor):
+            return (full * self.interleave + rest.clamp(0, self.interleave)).to(torch.int32)
+        return full * self.interleave + min(max(rest, 0), self.interleave)
+
+    def check_block_size(self, block_size: int) -> None:
+        """``ValueError`` unless the interleave divides ``block_size`` (so a row covers the same
+        global tokens on every rank, and can be named by their content)."""
+        if block_size % self.interleave:
+            raise ValueError(f"DCP interleave={self.interleave} (cp_kv_cache_interleave_size) must divide "
+                             f"block_size={block_size}")
 
 
-def dcp_local_position(position: int, world_size: int, interleave: int) -> int:
-    """The token's position in its owner's local sequence."""
-    return (position // (interleave * world_size)) * interleave + position % interleave
+#: No context parallelism: one rank stores every token.
+NO_DCP = DcpSettings()
 
 
-def dcp_local_len(seq_len: int, world_size: int, rank: int, interleave: int) -> int:
-    """How many of the positions ``[0, seq_len)`` rank ``rank`` stores."""
-    cycle = interleave * world_size
-    full, rest = divmod(seq_len, cycle)
-    return full * interleave + min(max(rest - rank * interleave, 0), interleave)
-
-
-def dcp_local_lens(seq_lens: torch.Tensor, world_size: int, rank: int, interleave: int) -> torch.Tensor:
-    """:func:`dcp_local_len` over a tensor of lengths (device ops only, graph-capturable)."""
-    cycle = interleave * world_size
-    lens = seq_lens.to(torch.int32)
-    rest = (lens % cycle - rank * interleave).clamp(0, interleave)
-    return (lens // cycle * interleave + rest).to(torch.int32)
+def check_dcp(dcp: object) -> DcpSettings:
+    """``dcp`` itself, or a ``ValueError`` unless it is a :class:`DcpSettings`."""
+    if not isinstance(dcp, DcpSettings):
+        raise ValueError(f"dcp must be a DcpSettings (e.g. DcpSettings.from_config(config, rank)), "
+                         f"got {type(dcp).__name__}")
+    return dcp

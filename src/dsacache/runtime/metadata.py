@@ -22,9 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from dsacache.dispatch import check_same_device, use_triton
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
-from dsacache.runtime.dcp import check_dcp, dcp_local_lens
-from dsacache.dispatch import use_triton
+from dsacache.runtime.block_table import check_block_table
+from dsacache.runtime.checks import describe, int_arg, int_list, optional_int_arg, tensor_arg
+from dsacache.runtime.dcp import NO_DCP, DcpSettings, check_dcp
 from dsacache.runtime.slot_mapping import compute_slot_mapping
 
 LOGIT_BYTES = 4  # fp32
@@ -35,6 +37,7 @@ def decode_context_lens(
     next_n: int,
     out: torch.Tensor | None = None,
     *,
+    check: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
     """int32 ``[B, next_n]``: how many keys each decode query row sees.
@@ -43,21 +46,27 @@ def decode_context_lens(
         seq_lens: int32 ``[B]`` tokens of each request after this step (>= ``next_n``).
         next_n: query tokens per decode request (1 + speculative tokens).
         out: int32 ``[B, next_n]`` contiguous buffer (allocated when omitted).
+        check: refuse (``ValueError``, both paths) a ``seq_lens`` entry below ``next_n``; it
+            reads ``seq_lens`` back (a device sync): pass ``False`` under CUDA-graph capture,
+            where such an entry gives lengths below 1.
         impl: ``"auto"`` (Triton on CUDA tensors, PyTorch otherwise), ``"triton"`` or ``"torch"``.
 
     >>> decode_context_lens(torch.tensor([10, 3], dtype=torch.int32), 2, impl="torch").tolist()
     [[9, 10], [2, 3]]
     """
-    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
-        raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if next_n < 1:
-        raise ValueError(f"next_n={next_n} must be >= 1")
+    tensor_arg(seq_lens, "seq_lens", torch.int32, 1, "int32 [B]")
+    next_n = int_arg(next_n, "next_n", 1)
     if out is None:
         out = torch.empty(seq_lens.numel(), next_n, dtype=torch.int32, device=seq_lens.device)
-    if out.shape != (seq_lens.numel(), next_n) or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 [{seq_lens.numel()}, {next_n}], got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    if use_triton(impl, out):
+    what = f"a contiguous int32 [{seq_lens.numel()}, {next_n}]"
+    tensor_arg(out, "out", torch.int32, 2, what, contiguous=True)
+    if out.shape != (seq_lens.numel(), next_n):
+        raise ValueError(f"out must be {what}, got {describe(out)}")
+    check_same_device(seq_lens=seq_lens, out=out)
+    triton = use_triton(impl, out)
+    if check and seq_lens.numel() and int(seq_lens.min()) < next_n:
+        raise ValueError(f"seq_lens must be >= next_n={next_n}, got a length of {int(seq_lens.min())}")
+    if triton:
         from dsacache.runtime.slot_mapping_triton import launch_decode_context_lens
 
         return launch_decode_context_lens(seq_lens, out)
@@ -156,12 +165,11 @@ def plan_prefill_chunks(
     ...     [4, 3], [4, 10], workspace_tokens=12, logits_bytes=1 << 20)]
     [(0, 5, 12), (5, 7, 10)]
     """
-    if pcp_world_size != 1:
-        raise NotImplementedError(
-            f"prefill context parallelism (PCP, prefill_context_parallel_size={pcp_world_size}) is not "
-            "supported by the packed metadata builder; use prefill_context_parallel_size=1"
-        )
-    _check_prefill_lengths(query_lens, seq_lens, workspace_tokens, logits_bytes)
+    _refuse_pcp(pcp_world_size)
+    query_lens, seq_lens = _host_lengths(query_lens, seq_lens)
+    workspace_tokens = int_arg(workspace_tokens, "workspace_tokens", 1)
+    logits_bytes = int_arg(logits_bytes, "logits_bytes", LOGIT_BYTES)
+    first_token, first_req = int_arg(first_token, "first_token"), int_arg(first_req, "first_req")
     chunks, current, m, k = [], [], 0, 0
     for req, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
         context, q0 = s_len - q_len, 0
@@ -184,14 +192,23 @@ def plan_prefill_chunks(
     return _materialize(chunks, query_lens, first_token, first_req, device)
 
 
-def _check_prefill_lengths(query_lens, seq_lens, workspace_tokens, logits_bytes) -> None:
+def _refuse_pcp(pcp_world_size) -> None:
+    if int_arg(pcp_world_size, "pcp_world_size", 1) != 1:
+        raise NotImplementedError(
+            f"prefill context parallelism (PCP, prefill_context_parallel_size={pcp_world_size}) is not "
+            "supported by the packed metadata builder; use prefill_context_parallel_size=1"
+        )
+
+
+def _host_lengths(query_lens, seq_lens) -> tuple[list[int], list[int]]:
+    """The host lengths as lists of ints, checked: as many of each, ``0 <= query_len <= seq_len``."""
+    query_lens, seq_lens = int_list(query_lens, "query_lens"), int_list(seq_lens, "seq_lens")
     if len(query_lens) != len(seq_lens):
         raise ValueError(f"{len(query_lens)} query_lens but {len(seq_lens)} seq_lens")
-    for q_len, s_len in zip(query_lens, seq_lens):
-        if not 0 <= q_len <= s_len:
-            raise ValueError(f"need 0 <= query_len <= seq_len, got query_len={q_len}, seq_len={s_len}")
-    if workspace_tokens < 1 or logits_bytes < LOGIT_BYTES:
-        raise ValueError(f"workspace_tokens={workspace_tokens} and logits_bytes={logits_bytes} must be positive")
+    for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        if q_len > s_len:
+            raise ValueError(f"request {b}: need query_len <= seq_len, got query_len={q_len}, seq_len={s_len}")
+    return query_lens, seq_lens
 
 
 def _materialize(chunks, query_lens, first_token, first_req, device) -> list[PrefillChunk]:
@@ -251,10 +268,9 @@ def build_indexer_metadata(
     logits_bytes: int,
     num_kernel_pages: int | None = None,
     page_size: int = KERNEL_PAGE_SIZE,
-    dcp_world_size: int = 1,
-    dcp_rank: int = 0,
-    dcp_interleave: int = 1,
+    dcp: DcpSettings = NO_DCP,
     pcp_world_size: int = 1,
+    check: bool = True,
     impl: str = "auto",
 ) -> IndexerStepMetadata:
     """Build one step's indexer metadata from the scheduler's host lengths and the block table.
@@ -262,31 +278,37 @@ def build_indexer_metadata(
     Args:
         block_table: int32 ``[B, W]`` kernel-page block table of the step's requests, decodes
             first, on the device the layers run on.
-        query_lens, seq_lens: host lengths per request (``seq_len`` includes this step's tokens).
-        slot_mapping: int64 ``[max_num_batched_tokens]`` buffer, reused every step.
+        query_lens, seq_lens: host lengths per request, integers with
+            ``0 <= query_len <= seq_len`` (``seq_len`` includes this step's tokens).
+        slot_mapping: int64 ``[max_num_batched_tokens]`` contiguous buffer on the block table's
+            device, at least ``sum(query_lens)`` long, reused every step.
         next_n: query tokens per decode request.
         num_decodes: leading requests that are decodes; default: the leading run of requests
             with exactly ``next_n`` query tokens and a context before them.
         workspace_tokens, logits_bytes: prefill chunk budgets (:func:`plan_prefill_chunks`).
-        dcp_*: decode context parallelism: the slot mapping keeps this rank's tokens and the
-            decode context lengths count this rank's share of each row's positions (the
-            block table is over local positions); prefills under DCP are refused
-            (``NotImplementedError``). pcp_world_size must be 1.
+        num_kernel_pages, page_size: as in :func:`compute_slot_mapping`.
+        dcp: this rank's decode context parallelism settings: the slot mapping keeps this
+            rank's tokens and the decode context lengths count this rank's share of each
+            row's positions (the block table is over local positions); prefills under DCP
+            are refused (``NotImplementedError``).
+        pcp_world_size: must be 1 (``NotImplementedError`` otherwise).
+        check: the slot mapping's page check (:func:`compute_slot_mapping`), one device
+            sync; ``False`` keeps the step sync-free. The host lengths are always checked.
 
-    One host-to-device copy of the lengths, then device work only (no sync on CUDA).
+    With ``check=False``: one host-to-device copy of the lengths, then device work only.
     """
-    if pcp_world_size != 1:
-        raise NotImplementedError(
-            f"prefill context parallelism (PCP, prefill_context_parallel_size={pcp_world_size}) is not "
-            "supported by the packed metadata builder; use prefill_context_parallel_size=1"
-        )
-    check_dcp(dcp_world_size, dcp_rank, dcp_interleave)
+    _refuse_pcp(pcp_world_size)
+    check_dcp(dcp)
+    query_lens, seq_lens = _host_lengths(query_lens, seq_lens)
+    check_block_table(block_table, len(query_lens))
+    next_n = int_arg(next_n, "next_n", 1)
     num_decodes = _count_decodes(query_lens, seq_lens, next_n, num_decodes)
-    if dcp_world_size > 1 and num_decodes < len(query_lens):
+    if dcp.world_size > 1 and num_decodes < len(query_lens):
         raise NotImplementedError(
-            f"prefill chunks under decode context parallelism (dcp_world_size={dcp_world_size}) are not "
+            f"prefill chunks under decode context parallelism (DCP world_size={dcp.world_size}) are not "
             "built yet: each rank holds only its share of the keys; schedule prefills without DCP"
         )
+    _check_slot_buffer(slot_mapping, block_table, sum(query_lens))
     device = block_table.device
     query_start_loc, positions, seq_lens_t = _host_step_tensors(query_lens, seq_lens, device)
     num_decode_tokens = num_decodes * next_n
@@ -294,29 +316,28 @@ def build_indexer_metadata(
         query_lens[num_decodes:], seq_lens[num_decodes:], workspace_tokens=workspace_tokens,
         logits_bytes=logits_bytes, first_token=num_decode_tokens, first_req=num_decodes, device=device,
     )
-    compute_slot_mapping(
-        block_table, query_start_loc, positions, slot_mapping, page_size=page_size,
-        num_kernel_pages=num_kernel_pages, dcp_world_size=dcp_world_size, dcp_rank=dcp_rank,
-        dcp_interleave=dcp_interleave, impl=impl,
-    )
+    compute_slot_mapping(block_table, query_start_loc, positions, slot_mapping, page_size=page_size,
+                         num_kernel_pages=num_kernel_pages, dcp=dcp, check=check, impl=impl)
+    # The decode lengths were checked on the host (_count_decodes): no read-back here.
+    decode_lens = decode_context_lens(seq_lens_t[:num_decodes], next_n, check=False, impl=impl)
     return IndexerStepMetadata(
         slot_mapping=slot_mapping, query_start_loc=query_start_loc, positions=positions, seq_lens=seq_lens_t,
         num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, next_n=next_n,
-        decode_context_lens=_local_decode_lens(seq_lens_t[:num_decodes], next_n, impl,
-                                               dcp_world_size, dcp_rank, dcp_interleave),
+        decode_context_lens=decode_lens if dcp.world_size == 1 else dcp.local_len(decode_lens),
         decode_block_table=block_table[:num_decodes], prefill_chunks=tuple(chunks),
     )
 
 
-def _local_decode_lens(seq_lens, next_n, impl, world_size, rank, interleave) -> torch.Tensor:
-    """Per-row decode context lengths as this DCP rank stores them (its share of each row's positions)."""
-    lens = decode_context_lens(seq_lens, next_n, impl=impl)
-    return lens if world_size == 1 else dcp_local_lens(lens, world_size, rank, interleave)
+def _check_slot_buffer(slot_mapping, block_table, num_tokens: int) -> None:
+    tensor_arg(slot_mapping, "slot_mapping", torch.int64, 1, "a contiguous int64 [max_num_batched_tokens] buffer",
+               contiguous=True)
+    if slot_mapping.numel() < num_tokens:
+        raise ValueError(f"slot_mapping has room for {slot_mapping.numel()} tokens; the step schedules {num_tokens}")
+    check_same_device(block_table=block_table, slot_mapping=slot_mapping)
 
 
 def _count_decodes(query_lens, seq_lens, next_n, num_decodes) -> int:
-    if len(query_lens) != len(seq_lens):
-        raise ValueError(f"{len(query_lens)} query_lens but {len(seq_lens)} seq_lens")
+    num_decodes = optional_int_arg(num_decodes, "num_decodes")
     if num_decodes is None:
         num_decodes = 0
         while (num_decodes < len(query_lens) and query_lens[num_decodes] == next_n
@@ -342,5 +363,5 @@ def _host_step_tensors(query_lens, seq_lens, device):
     return (
         torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
         torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True),
-        torch.tensor(list(seq_lens), dtype=torch.int32).to(device, non_blocking=True),
+        torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
     )

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.planner.layout import CacheLayout
 from dsacache.runtime.allocator import RequestId, RowAllocator
+from dsacache.runtime.checks import device_arg, int_list, is_int
 
 
 class CachePool:
@@ -27,7 +29,13 @@ class CachePool:
     (torch.Size([64, 64, 132]), (1210368, 132, 1))
     """
 
-    def __init__(self, layout, device: torch.device | str = "cpu", allocator: RowAllocator | None = None) -> None:
+    def __init__(self, layout: CacheLayout, device: torch.device | str = "cpu",
+                 allocator: RowAllocator | None = None) -> None:
+        if not isinstance(layout, CacheLayout):
+            raise ValueError(f"layout must be a CacheLayout (from dsacache.planner.plan), got {type(layout).__name__}")
+        if allocator is not None and not isinstance(allocator, RowAllocator):
+            raise ValueError(f"allocator must be a RowAllocator or None, got {type(allocator).__name__}")
+        device = device_arg(device)
         if layout.num_rows < 1:
             raise ValueError(f"layout.num_rows={layout.num_rows}: the pool needs at least one row")
         self.layout = layout
@@ -65,12 +73,12 @@ class CachePool:
     def draft_pages(self, index: int) -> torch.Tensor:
         """uint8 ``[num_kernel_pages, 64, entry]`` MLA pages of draft layer ``index`` (0-based)."""
         drafts = self.layout.draft_layers
-        if not 0 <= index < len(drafts):
+        if not is_int(index) or not 0 <= index < len(drafts):
             raise ValueError(f"draft layer {index} does not exist; the layout has {len(drafts)} draft layers")
         return self._paged_view(drafts[index].mla_offset, drafts[index].mla_entry_bytes)
 
     def _dsa_slot(self, layer: int):
-        if layer not in self._dsa:
+        if not is_int(layer) or layer not in self._dsa:
             raise ValueError(f"layer {layer} is not a DSA layer; DSA layers: {sorted(self._dsa)}")
         return self._dsa[layer]
 
@@ -83,8 +91,8 @@ class CachePool:
 
     def row(self, row: int) -> torch.Tensor:
         """uint8 ``[row_bytes]``: the raw bytes of one row."""
-        if not 0 <= row < self.layout.num_rows:
-            raise ValueError(f"row {row} is outside the pool of {self.layout.num_rows} rows")
+        if not is_int(row) or not 0 <= row < self.layout.num_rows:
+            raise ValueError(f"row must be an integer in [0, {self.layout.num_rows}), got {row!r}")
         size = self.layout.row_bytes
         return self.buffer[row * size : (row + 1) * size]
 
@@ -95,9 +103,10 @@ class CachePool:
 
     def state_tensors_at(self, state_rows: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Like :meth:`state_tensors`, for an explicit list of a request's state rows."""
-        if layer not in self._kda:
+        state_rows = int_list(state_rows, "state_rows")
+        if not is_int(layer) or layer not in self._kda:
             kda = self.layout.config.model.kda
-            if kda is not None and layer in kda.layers:
+            if kda is not None and is_int(layer) and layer in kda.layers:
                 raise NotImplementedError(
                     f"layer {layer} is a KDA layer of a {self.layout.kind} layout: only the packed layout "
                     "(KDA-hybrid DSA models) holds KDA states in the pool"

@@ -21,9 +21,14 @@ BlockHash = bytes
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The chain hash of one full block: sha256 over the parent's hash and the token ids."""
+    """The chain hash of one full block: sha256 over the parent's hash and the int64 token ids."""
+    if not (isinstance(token_ids, array) and token_ids.typecode == "q"):
+        try:
+            token_ids = array("q", token_ids)
+        except (TypeError, OverflowError) as exc:
+            raise ValueError(f"token_ids must be integers in the int64 range ({exc})") from None
     digest = hashlib.sha256(parent or b"")
-    digest.update(array("q", token_ids).tobytes())
+    digest.update(token_ids.tobytes())
     return digest.digest()
 
 

@@ -11,17 +11,27 @@ import torch
 import triton
 import triton.language as tl
 
+from dsacache.ops.triton_utils import block_table_page
+
 #: Any page id fits below this when the caller gives no pool size.
 _NO_PAGE_LIMIT = 2**31 - 1
 
 
 @triton.jit
+def _dcp_local(pos, world, rank, interleave):
+    """(owned by ``rank``, local position) of positions ``pos >= 0``: the rule of ``dcp.py``."""
+    owned = (pos // interleave) % world == rank
+    local = (pos // (interleave * world)) * interleave + pos % interleave
+    return owned, local
+
+
+@triton.jit
 def _slot_mapping_kernel(
-    block_table_ptr,  # [B, W] int32
+    block_table_ptr,  # [B, W] int32, rows contiguous
     bt_stride,
     width,
     query_start_loc_ptr,  # [B + 1] int32
-    num_reqs,
+    num_reqs,  # B >= 1
     positions_ptr,  # [N] int64
     num_positions,
     out_ptr,  # [T] int64, T = max_num_batched_tokens
@@ -47,35 +57,31 @@ def _slot_mapping_kernel(
         right = active & (bound <= tok)
         lo = tl.where(right, mid + 1, lo)
         hi = tl.where(active & ~right, mid, hi)
+    req = tl.minimum(lo, num_reqs - 1)  # in the table even for a query_start_loc that breaks its rules
     pos = tl.load(positions_ptr + tok, mask=live, other=0)  # [BLOCK] int64
-    owned = live & (pos >= 0) & ((pos // interleave) % world == rank)
-    local = (pos // (interleave * world)) * interleave + pos % interleave
-    page_index = local // page_size
-    owned = owned & (page_index < width)
-    page = tl.load(block_table_ptr + lo.to(tl.int64) * bt_stride + page_index, mask=owned, other=-1)
-    ok = owned & (page >= 0) & (page < num_kernel_pages)
+    mine, local = _dcp_local(tl.maximum(pos, 0), world, rank, interleave)
+    owned = live & (pos >= 0) & mine
+    page, ok = block_table_page(block_table_ptr + req.to(tl.int64) * bt_stride, local // page_size, owned,
+                                width, num_kernel_pages)
     slot = page.to(tl.int64) * page_size + local % page_size
     tl.store(out_ptr + tok, tl.where(ok, slot, -1), mask=tok < out_len)
 
 
 def launch_slot_mapping(
-    block_table, query_start_loc, positions, out, page_size, num_kernel_pages,
-    dcp_world_size, dcp_rank, dcp_interleave, block: int = 256,
+    block_table, query_start_loc, positions, out, page_size, num_kernel_pages, dcp, block: int = 256,
 ) -> torch.Tensor:
-    """Launch over the whole of ``out``; inputs already validated by the public function."""
+    """Launch over the whole of ``out``; inputs checked by the public function (``B >= 1``, ``N >= 1``)."""
     if block_table.stride(1) != 1:
-        raise ValueError("block_table rows must be contiguous (stride(1) == 1)")
-    if not (query_start_loc.is_contiguous() and positions.is_contiguous()):
-        raise ValueError("query_start_loc and positions must be contiguous")
+        block_table = block_table.contiguous()
     num_reqs = block_table.shape[0]
     grid = (triton.cdiv(out.numel(), block),)
     _slot_mapping_kernel[grid](
         block_table, block_table.stride(0), block_table.shape[1],
-        query_start_loc, num_reqs,
-        positions, positions.numel(), out, out.numel(),
+        query_start_loc.contiguous(), num_reqs,
+        positions.contiguous(), positions.numel(), out, out.numel(),
         page_size, _NO_PAGE_LIMIT if num_kernel_pages is None else num_kernel_pages,
-        dcp_world_size, dcp_rank, dcp_interleave,
-        BLOCK=block, SEARCH_STEPS=max(num_reqs, 1).bit_length(),
+        dcp.world_size, dcp.rank, dcp.interleave,
+        BLOCK=block, SEARCH_STEPS=num_reqs.bit_length(),
     )
     return out
 
@@ -96,9 +102,9 @@ def _decode_context_lens_kernel(
 
 
 def launch_decode_context_lens(seq_lens: torch.Tensor, out: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """``out[b, i] = seq_lens[b] - next_n + i + 1`` for a contiguous ``out [B, next_n]``."""
-    if not (seq_lens.is_contiguous() and out.is_contiguous()):
-        raise ValueError("seq_lens and out must be contiguous")
+    """``out[b, i] = seq_lens[b] - next_n + i + 1`` for a contiguous ``out [B, next_n]`` (checked by
+    the public function)."""
+    seq_lens = seq_lens.contiguous()
     grid = (max(triton.cdiv(out.numel(), block), 1),)
     _decode_context_lens_kernel[grid](seq_lens, out, out.numel(), out.shape[1], BLOCK=block)
     return out

@@ -10,7 +10,9 @@ longer than the budget is admitted alone).
 
 from __future__ import annotations
 
+import functools
 import sys
+from array import array
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ class LayoutResult:
     num_rows: int
     row_bytes: int
     state_rows_per_request: int
+    tokens_per_row: int = 0  # block_size x the DCP world size
     num_steps: int = 0
     peak_running: int = 0
     mean_running: float = 0.0
@@ -98,7 +101,7 @@ class Replay:
         self.name, self.layout, self.workload, self.progress = name, layout, workload, progress
         self.allocator = RowAllocator.from_layout(layout)
         self.result = LayoutResult(name, layout.block_size, layout.num_rows, layout.row_bytes,
-                                   layout.state_rows_per_request)
+                                   layout.state_rows_per_request, layout.tokens_per_row)
         self._usage = _Usage()
 
     def run(self, max_steps: int = 1_000_000) -> LayoutResult:
@@ -161,7 +164,7 @@ class Replay:
                 continue
             if request.prompt_len > budget and admitted:
                 return
-            tokens = request.prompt_token_ids()
+            tokens = _prompt_ids(request)
             if not self.allocator.can_add(tokens):
                 self.result.admission_refusals += 1
                 return
@@ -173,8 +176,7 @@ class Replay:
 
     def _never_fits(self, request: SimRequest) -> bool:
         """A request whose full length needs more rows than the whole pool is rejected outright."""
-        rows = self.allocator.rows_for_tokens(request.prompt_len + request.output_len)
-        return rows + self.allocator.state_rows_per_request > self.allocator.num_rows
+        return self.layout.rows_per_request(request.prompt_len + request.output_len) > self.allocator.num_rows
 
     def _sample_usage(self) -> None:
         """Bytes holding tokens and states vs bytes of the rows they occupy (parked rows excluded)."""
@@ -188,7 +190,8 @@ class Replay:
                     seen.add(row)
                     tokens += min(alloc.tokens_per_row, n - i * alloc.tokens_per_row)
         num_requests = alloc.num_requests
-        usage.token_bytes += tokens * layout.row_bytes_per_token
+        # Under DCP each rank stores its share of a row's tokens: count the mean rank's bytes.
+        usage.token_bytes += tokens * layout.row_bytes_per_token / layout.config.decode_context_parallel_size
         usage.attention_bytes += len(seen) * layout.row_bytes
         # Only states held in the pool count: a paged layout keeps KDA states outside it.
         if layout.state_rows_per_request:
@@ -209,6 +212,13 @@ class Replay:
         if self.allocator.num_requests or self.allocator.num_free_rows != self.allocator.num_rows:
             raise RuntimeError(f"{self.name}: rows still held after the stream drained")
         return result
+
+
+@functools.lru_cache(maxsize=4)
+def _prompt_ids(request: SimRequest) -> array:
+    """A request's prompt ids, built once while it waits at the head of the queue (it may be refused
+    many steps in a row)."""
+    return request.prompt_token_ids()
 
 
 def _ratio(num: float, den: float) -> float:

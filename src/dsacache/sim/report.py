@@ -23,22 +23,31 @@ _ROWS = (
     ("preemptions", lambda r: f"{r.preemptions}"),
     ("rejected (never fit)", lambda r: f"{r.rejected}"),
 )
+#: Under DCP a row covers more of a request's tokens than its block size.
+_DCP_ROWS = (("tokens a row covers", lambda r: f"{r.tokens_per_row}"),)
 
 
 @dataclass
 class SimReport:
-    """Per-layout results of one workload; ``results[0]`` is the packed layout."""
+    """Per-layout results of one workload; ``results[0]`` is the packed layout.
+
+    Under decode context parallelism (``decode_context_parallel_size`` N > 1) the replay is
+    one rank's pool: every rank of the group holds the same rows, each storing its share
+    of a row's ``block_size x N`` tokens, so concurrency is the group's and bytes are per rank.
+    """
 
     model: str
     tensor_parallel_size: int
     workload: Workload
     results: list[LayoutResult]
+    decode_context_parallel_size: int = 1
 
     def to_dict(self) -> dict:
         """The report as JSON-ready data."""
         return {
             "model": self.model,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "decode_context_parallel_size": self.decode_context_parallel_size,
             "workload": asdict(self.workload),
             "results": [dict(asdict(r), prefix_hit_rate=r.prefix_hit_rate, pool_bytes=r.pool_bytes)
                         for r in self.results],
@@ -46,9 +55,9 @@ class SimReport:
 
     def to_text(self) -> str:
         """The report as an aligned text table."""
-        w = self.workload
+        w, dcp = self.workload, self.decode_context_parallel_size
         lines = [
-            f"simulate: {self.model}, TP {self.tensor_parallel_size}, pool "
+            f"simulate: {self.model}, TP {self.tensor_parallel_size}{f', DCP {dcp}' if dcp > 1 else ''}, pool "
             f"{self.results[0].pool_bytes / 2**30:.1f} GiB per rank",
             f"workload: {w.num_requests} requests, {w.arrival_rate:g}/step, prompt median {w.prompt_len_median}, "
             f"output median {w.output_len_median}, {100 * w.shared_prefix_fraction:.0f}% behind "
@@ -56,7 +65,11 @@ class SimReport:
             "",
             f"{'':<24}" + "".join(f"{r.name:>16}" for r in self.results),
         ]
-        lines += [f"{label:<24}" + "".join(f"{fmt(r):>16}" for r in self.results) for label, fmt in _ROWS]
+        rows = _ROWS if dcp == 1 else _ROWS[:1] + _DCP_ROWS + _ROWS[1:]
+        lines += [f"{label:<24}" + "".join(f"{fmt(r):>16}" for r in self.results) for label, fmt in rows]
+        if dcp > 1:
+            lines += ["", f"DCP {dcp}: each of the {dcp} ranks holds a pool like this one, with the same rows; "
+                          "concurrency is the group's"]
         if len(self.results) == 2 and self.results[1].peak_running:
             packed, pow2 = self.results
             lines += ["", f"packed vs power-of-two: {packed.peak_running / pow2.peak_running:.2f}x peak concurrency "
@@ -82,4 +95,5 @@ def run_simulation(layout_packed, layout_pow2=None, workload: Workload | None = 
         named.append(("power-of-two", layout_pow2))
     results = [Replay(name, layout, workload, progress).run() for name, layout in named]
     config = layout_packed.config
-    return SimReport(config.model.name, config.tensor_parallel_size, workload, results)
+    return SimReport(config.model.name, config.tensor_parallel_size, workload, results,
+                     config.decode_context_parallel_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from array import array
 from dataclasses import dataclass
 
 #: Token ids of unique prompt parts start here, far above any shared prefix's ids.
@@ -20,14 +21,15 @@ class SimRequest:
     prefix_group: int | None  # which shared prefix the prompt starts with, if any
     prefix_len: int
 
-    def prompt_token_ids(self) -> list[int]:
-        """Shared prefix ids (the same for every request of the group), then ids unique to this request."""
+    def prompt_token_ids(self) -> array:
+        """Shared prefix ids (the same for every request of the group), then ids unique to this request
+        (an int64 ``array``: the allocator takes it without a copy)."""
         shared = []
         if self.prefix_group is not None:
             start = self.prefix_group * _UNIQUE_ID_STRIDE
             shared = list(range(start, start + self.prefix_len))
         start = _UNIQUE_ID_BASE + self.request_id * _UNIQUE_ID_STRIDE
-        return shared + list(range(start, start + self.prompt_len - len(shared)))
+        return array("q", shared + list(range(start, start + self.prompt_len - len(shared))))
 
 
 @dataclass(frozen=True)

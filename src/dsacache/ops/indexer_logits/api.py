@@ -3,18 +3,25 @@
 Each function validates its input, then runs the Triton kernel when the tensors are on
 CUDA (or when ``impl="triton"`` is forced, which under ``TRITON_INTERPRET=1`` also runs
 on CPU tensors) and the PyTorch reference in ``naive.py`` otherwise. On Hopper the paged
-decode runs Gluon kernels where they apply (``gluon_kernels``: MXFP4 keys, and FP8 keys
-with 2-4 query rows; ``triton_kernels.decode_kernel`` says which one a call takes).
+decode runs Gluon kernels where they apply (MXFP4 keys, and FP8 keys with 2-4 query rows;
+``launch.py`` picks the kernel and its settings, ``launch.decode_kernel`` says which one a
+call takes).
+
+The key format comes with the keys: the paged decode reads it off the pages the pool hands
+out (``indexer_pages_format``; a format named by the caller is checked against them), the
+ragged prefill off the dtypes of the gathered tensors.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsacache.formats.indexer_key import indexer_pages_format, fp8_page_views, mxfp4_page_views
-from dsacache.formats.key_format import MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
 from dsacache.dispatch import check_same_device, use_triton
+from dsacache.formats.indexer_key import fp8_page_views, indexer_pages_format, mxfp4_page_views
+from dsacache.formats.key_format import IndexerKeyFormat
 from dsacache.ops.indexer_logits import naive
+from dsacache.runtime.block_table import check_block_table
+
 
 def per_row_context_lens(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
     """Per-request context lengths ``[B]`` -> per-row lengths ``[B, next_n]`` int32.
@@ -22,23 +29,34 @@ def per_row_context_lens(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
     Row ``i`` of a request (0-based among its ``next_n`` speculative queries) sees the
     positions ``< seq_len - next_n + i + 1``: the last row sees the whole context, each
     earlier row one token less.
+
+    >>> per_row_context_lens(torch.tensor([10, 1], dtype=torch.int32), 3)
+    tensor([[ 8,  9, 10],
+            [ 0,  0,  1]], dtype=torch.int32)
     """
+    _check_tensors(seq_lens=seq_lens)
+    if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32 [B], got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if isinstance(next_n, bool) or not isinstance(next_n, int) or next_n < 1:
+        raise ValueError(f"next_n={next_n!r} must be a positive integer")
     offsets = torch.arange(1 - next_n, 1, device=seq_lens.device, dtype=torch.int32)
     return (seq_lens.to(torch.int32)[:, None] + offsets[None, :]).clamp_min(0).contiguous()
+
+
+def _check_tensors(**tensors: object) -> None:
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
 def _check_query(q: torch.Tensor, weights: torch.Tensor, rows: int) -> None:
     if q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"q must be torch.float8_e4m3fn, got {q.dtype}")
-    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_heads = q.shape[-2]
     if weights.dtype != torch.float32 or tuple(weights.shape) != (rows, num_heads):
         raise ValueError(
             f"weights must be float32 [{rows}, {num_heads}], got {tuple(weights.shape)} {weights.dtype}"
         )
-    if weights.device != q.device:
-        raise ValueError(f"weights is on {weights.device}, q on {q.device}")
-    if head_dim % MXFP4_GROUP_SIZE:
-        raise ValueError(f"head_dim={head_dim} must be a multiple of {MXFP4_GROUP_SIZE}")
 
 
 def _check_triton_shape(num_heads: int, head_dim: int) -> None:
@@ -51,6 +69,7 @@ def _check_triton_shape(num_heads: int, head_dim: int) -> None:
 def _check_out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=torch.float32, device=device)
+    _check_tensors(out=out)
     if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous() or out.device != device:
         raise ValueError(f"out must be a contiguous float32 {list(shape)} tensor on {device}, "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
@@ -75,7 +94,7 @@ def paged_decode_logits(
     pages: torch.Tensor,
     block_table: torch.Tensor,
     max_model_len: int,
-    indexer_kv_dtype: str = "fp8",
+    indexer_kv_dtype: str | IndexerKeyFormat | None = None,
     out: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
@@ -95,7 +114,7 @@ def paged_decode_logits(
             ``H**-0.5`` belong in ``weights``). The same FP8 queries serve both key
             formats: the Triton path turns MXFP4 keys into e4m3 in registers, exactly
             except that a 32-value group more than 2**11 below its token's largest group
-            is dropped (``triton_kernels.py``); the reference keeps it.
+            is dropped (``mxfp4_e4m3.py``); the reference keeps it.
         weights: ``[B * next_n, H]`` float32 per-head weights.
         context_lens: ``[B, next_n]`` int32, the exact number of positions each row sees
             (row ``b * next_n + i`` sees ``j < context_lens[b, i]``). A ``[B]`` tensor of
@@ -103,10 +122,14 @@ def paged_decode_logits(
             :func:`per_row_context_lens` (row ``i`` sees ``j < ctx - next_n + i + 1``).
             Lengths are clamped to ``[0, max_model_len]``.
         pages: the layer's paged indexer view ``[num_pages, 64, entry]`` uint8 (any page
-            stride); ``entry`` = ``D + 4`` for FP8, ``D/2 + D/32`` for MXFP4.
+            stride), as ``CachePool.index_pages`` hands it out; ``entry`` = ``D + 4`` for
+            FP8, ``D/2 + D/32`` for MXFP4.
         block_table: ``[B, max_blocks]`` int32 kernel page ids.
         max_model_len: number of output columns.
-        indexer_kv_dtype: ``"fp8"`` (or ``"auto"``) or ``"mxfp4"``.
+        indexer_kv_dtype: the key format. ``None`` (the default) reads it off ``pages``
+            (the entry width tells the formats apart); ``"fp8"`` (or ``"auto"``),
+            ``"mxfp4"`` or an :class:`~dsacache.formats.key_format.IndexerKeyFormat` is
+            checked against the pages, ``ValueError`` when they do not hold it.
         out: optional preallocated ``[B * next_n, max_model_len]`` float32 contiguous
             output (e.g. one buffer reused by every layer of a step).
         impl: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
@@ -131,60 +154,55 @@ def paged_decode_logits(
         >>> paged_decode_logits(q, w, lens, pages, bt, max_model_len=256).shape
         torch.Size([2, 256])
     """
+    _check_tensors(q=q, weights=weights, context_lens=context_lens)
     if q.dim() != 4:
         raise ValueError(f"q must be [B, next_n, H, D], got {tuple(q.shape)}")
     batch, next_n, num_heads, head_dim = q.shape
     _check_query(q, weights, batch * next_n)
     if not 1 <= next_n <= 8:
         raise ValueError(f"next_n={next_n}; allowed: 1..8")
-    fmt = resolve_indexer_kv_dtype(indexer_kv_dtype)
-    indexer_pages_format(pages, head_dim, fmt)
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must be int32 [{batch}, max_blocks], "
-                         f"got {tuple(block_table.shape)} {block_table.dtype}")
-    if max_model_len < 1:
-        raise ValueError(f"max_model_len={max_model_len} must be >= 1")
+    key_format = indexer_pages_format(pages, head_dim, indexer_kv_dtype)
+    check_block_table(block_table, batch)
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 1")
     check_same_device(q=q, weights=weights, context_lens=context_lens, pages=pages, block_table=block_table)
     context_lens = _check_context_lens(context_lens, batch, next_n)
     out = _check_out(out, (batch * next_n, max_model_len), q.device)
     if not use_triton(impl, q, pages, block_table):
         row_lens = context_lens if context_lens.dim() == 2 else per_row_context_lens(context_lens, next_n)
         row_lens = row_lens.clamp(0, max_model_len)
-        return out.copy_(naive.paged_decode_logits(q, weights, row_lens, pages, block_table, max_model_len, fmt))
+        return out.copy_(naive.paged_decode_logits(q, weights, row_lens, pages, block_table, max_model_len, key_format))
 
-    from dsacache.ops.indexer_logits.triton_kernels import launch_paged_decode
+    from dsacache.ops.indexer_logits.launch import launch_paged_decode
 
-    mxfp4 = fmt == "mxfp4"
     _check_triton_shape(num_heads, head_dim)
-    values, scales = (mxfp4_page_views if mxfp4 else fp8_page_views)(pages, head_dim)
+    values, scales = (mxfp4_page_views if key_format.is_mxfp4 else fp8_page_views)(pages, head_dim)
     if batch == 0:
         return out
     launch_paged_decode(q.contiguous(), weights.contiguous(), context_lens, values, scales,
-                        block_table if block_table.stride(1) == 1 else block_table.contiguous(), out, mxfp4)
+                        block_table if block_table.stride(1) == 1 else block_table.contiguous(), out, key_format)
     return out
 
 
-def _check_contiguous_keys(k_values: torch.Tensor, k_scales: torch.Tensor, head_dim: int) -> bool:
-    """Validate gathered keys; True for MXFP4, False for FP8."""
-    num_keys = k_values.shape[0]
+def _gathered_keys_format(k_values: torch.Tensor, k_scales: torch.Tensor, head_dim: int) -> IndexerKeyFormat:
+    """The format of keys gathered contiguously, read off their dtypes (FP8: e4m3 values and one
+    float32 scale a key; MXFP4: uint8 packed values and uint8 scale bytes), after checking them."""
     if k_values.dtype == torch.float8_e4m3fn:
-        if tuple(k_values.shape) != (num_keys, head_dim) or k_scales.dtype != torch.float32 \
-                or tuple(k_scales.shape) != (num_keys,):
-            raise ValueError(
-                f"FP8 keys must be k_values [N, {head_dim}] e4m3 and k_scales [N] float32, got "
-                f"{tuple(k_values.shape)} {k_values.dtype} and {tuple(k_scales.shape)} {k_scales.dtype}"
-            )
-        return False
-    if k_values.dtype == torch.uint8:
-        groups = head_dim // MXFP4_GROUP_SIZE
-        if tuple(k_values.shape) != (num_keys, head_dim // 2) or k_scales.dtype != torch.uint8 \
-                or tuple(k_scales.shape) != (num_keys, groups):
-            raise ValueError(
-                f"MXFP4 keys must be k_values [N, {head_dim // 2}] uint8 and k_scales [N, {groups}] uint8, got "
-                f"{tuple(k_values.shape)} and {tuple(k_scales.shape)} {k_scales.dtype}"
-            )
-        return True
-    raise ValueError(f"k_values must be float8_e4m3fn (FP8 keys) or uint8 (MXFP4 keys), got {k_values.dtype}")
+        fmt, scale_dtype, scale_dims = IndexerKeyFormat("fp8", head_dim), torch.float32, ()
+    elif k_values.dtype == torch.uint8:
+        fmt = IndexerKeyFormat("mxfp4", head_dim)
+        scale_dtype, scale_dims = torch.uint8, (fmt.scale_bytes,)
+    else:
+        raise ValueError(f"k_values must be float8_e4m3fn (FP8 keys) or uint8 (MXFP4 keys), got {k_values.dtype}")
+    num_keys = k_values.shape[0] if k_values.dim() else 0
+    values_shape, scales_shape = (num_keys, fmt.value_bytes), (num_keys, *scale_dims)
+    if tuple(k_values.shape) != values_shape or k_scales.dtype != scale_dtype or tuple(k_scales.shape) != scales_shape:
+        raise ValueError(
+            f"{fmt.name} keys must be k_values {list(values_shape)} {k_values.dtype} and k_scales "
+            f"{list(scales_shape)} {scale_dtype}, got {tuple(k_values.shape)} and {tuple(k_scales.shape)} "
+            f"{k_scales.dtype}"
+        )
+    return fmt
 
 
 def ragged_prefill_logits(
@@ -207,9 +225,9 @@ def ragged_prefill_logits(
     Args:
         q: ``[M, H, D]`` float8_e4m3fn queries.
         weights: ``[M, H]`` float32.
-        k_values, k_scales: the gathered keys, in the cache's encoding: FP8 ``[N, D]``
-            e4m3 + ``[N]`` float32, or MXFP4 ``[N, D/2]`` uint8 (two e2m1 a byte, element
-            ``2i`` low nibble) + ``[N, D/32]`` uint8 UE8M0 scale bytes.
+        k_values, k_scales: the gathered keys, in the cache's encoding, which their dtypes
+            name: FP8 ``[N, D]`` e4m3 + ``[N]`` float32, or MXFP4 ``[N, D/2]`` uint8 (two
+            e2m1 a byte, element ``2i`` low nibble) + ``[N, D/32]`` uint8 UE8M0 scale bytes.
         ks, ke: ``[M]`` int32 key-row window of each query row (clamped to ``[0, N]``).
         out: optional preallocated ``[M, N]`` float32 contiguous output.
         impl: ``"auto"``, ``"torch"`` or ``"triton"``.
@@ -227,11 +245,12 @@ def ragged_prefill_logits(
         >>> ragged_prefill_logits(q, torch.rand(5, 32), kv, kscale, ks, ke).shape
         torch.Size([5, 300])
     """
+    _check_tensors(q=q, weights=weights, k_values=k_values, k_scales=k_scales, ks=ks, ke=ke)
     if q.dim() != 3:
         raise ValueError(f"q must be [M, H, D], got {tuple(q.shape)}")
     num_rows, num_heads, head_dim = q.shape
     _check_query(q, weights, num_rows)
-    mxfp4 = _check_contiguous_keys(k_values, k_scales, head_dim)
+    fmt = _gathered_keys_format(k_values, k_scales, head_dim)
     for name, t in (("ks", ks), ("ke", ke)):
         if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (num_rows,):
             raise ValueError(f"{name} must be int32 [{num_rows}], got {tuple(t.shape)} {t.dtype}")
@@ -241,14 +260,14 @@ def ragged_prefill_logits(
     ke = ke.to(torch.int32).clamp(0, num_keys)
     out = _check_out(out, (num_rows, num_keys), q.device)
     if not use_triton(impl, q, k_values):
-        return out.copy_(naive.ragged_prefill_logits(q, weights, k_values, k_scales, ks, ke))
+        return out.copy_(naive.ragged_prefill_logits(q, weights, k_values, k_scales, ks, ke, fmt))
 
-    from dsacache.ops.indexer_logits.triton_kernels import launch_ragged_prefill
+    from dsacache.ops.indexer_logits.launch import launch_ragged_prefill
 
     _check_triton_shape(num_heads, head_dim)
     if num_rows and num_keys:
         launch_ragged_prefill(q.contiguous(), weights.contiguous(), ks.contiguous(), ke.contiguous(),
-                              k_values.contiguous(), k_scales.contiguous(), out, mxfp4)
+                              k_values.contiguous(), k_scales.contiguous(), out, fmt)
     return out
 
 

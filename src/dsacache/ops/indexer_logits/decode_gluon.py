@@ -6,15 +6,13 @@ H columns, so each page is read once), then sum the heads with a second wgmma
 (``_mma_head_sums``): ``relu(q.k)`` is rounded to bf16 straight into its A registers and
 multiplied by the head weights (bf16 plus the bf16 of what that rounding left, so the weights
 keep ~16 significant bits), one output column pair per query row. That replaces N / 2 FP32
-instructions a thread and the quad shuffles of a sum over the accumulator: H200, B = 64, 128K,
-FP8 next_n = 2 at H = 64 348 -> 305 us (297 us with the later block-table change); MXFP4
-next_n = 1 213 -> 201 us at H = 32. The bf16 rounding moves a head's term by at most 2**-9
-relative (calc-diff against the FP32 reference ~1e-7, far inside the 1e-3 / 2e-2 tolerances);
-``"kernel": "triton"`` keeps FP32 throughout.
+instructions a thread and the quad shuffles of a sum over the accumulator. The bf16 rounding
+moves a head's term by at most 2**-9 relative (calc-diff against the FP32 reference ~1e-7, far
+inside the 1e-3 / 2e-2 tolerances); the Triton kernel keeps FP32 throughout.
 
-MXFP4: the same math as ``_paged_decode_kernel`` with its "table" decode (see ``triton_kernels``),
-written with explicit layouts so that nothing moves through shared memory but the queries and
-the head weights:
+MXFP4: the math of the Triton kernel with the table decode (``mxfp4_e4m3``), written with
+explicit layouts so that nothing moves through shared memory but the queries and the head
+weights:
 
 * each thread loads the packed words it decodes straight into registers, in the order the
   wgmma A operand wants them (thread ``4 g + c`` of a warp: token rows ``g`` and ``g + 8``,
@@ -34,13 +32,9 @@ its values (the pool's page layout, checked by the launcher).
 FP8 (``paged_decode_fp8_kernel``): the keys need no decode, so they go from the pool to shared
 memory by TMA, in a ring of pages started ahead (a descriptor over the layer's pages; a -1 or
 out-of-range block-table entry is fetched at a page index past the tensor, which reads nothing
-and fills zeros), and the wgmma reads them there. Selected per next_n by
-``DECODE_CONFIG["fp8_kernel"]`` (next_n 2-4 by default).
+and fills zeros), and the wgmma reads them there.
 
-MXFP4 is selected with ``MXFP4_DECODE_CONFIG["kernel"] = "gluon"`` (the default); the CPU interpreter,
-other GPUs and ``"kernel": "triton"`` use ``_paged_decode_kernel``. H200, B = 64, 128K, next_n = 1,
-H = 32 / 64: Triton kernel 248 / 318 us, this kernel 182 / 219 us (SASS loop body per 64-token
-page and warp at H = 32: 279 -> 183 instructions); next_n = 2: 386 / 568 -> 221 / 315 us.
+``launch.py`` says when each runs.
 """
 
 from __future__ import annotations
@@ -55,21 +49,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsacache.ops.indexer_logits.triton_kernels import group_tables_ptx, table_lookup_ptx
+from dsacache.ops.indexer_logits.mxfp4_e4m3 import group_tables_ptx, table_columns, table_decode_ptx, table_lookup_ptx
+from dsacache.ops.triton_utils import block_table_page
 
 # One register of e4m3 bytes from half s of a packed word: $1 the word, $5 the half's shift
-# (0 or 16), $9 the group's t (< 0: dropped). Tables and sign trick as in _TABLE_ASM
-# (triton_kernels.py); pack=4 hands each input over four times, only the first is read. (The
-# high half's shifts as IMAD.HI on the FMA pipe, the integer pipe left with one instruction a
-# word instead of three, was slower on the H200: 186 -> 197 us at H = 32.)
-_HALF_ASM = gl.constexpr("""
-{
-.reg .pred kept;
-.reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
-""" + group_tables_ptx("$9") + """shr.u32 sel, $1, $5;
-xor.b32 flip, sel, 0x8888;
-""" + table_lookup_ptx("$0", "sel") + """}
-""")
+# (0 or 16), $9 the group's t (< 0: dropped). Tables and sign trick as in WORD_DECODE_ASM
+# (mxfp4_e4m3.py); pack=4 hands each input over four times, only the first is read.
+_HALF_ASM = gl.constexpr(table_decode_ptx(
+    group_tables_ptx("$9") + "shr.u32 sel, $1, $5;\nxor.b32 flip, sel, 0x8888;\n" + table_lookup_ptx("$0", "sel")))
 
 
 # relu and the bf16 rounding of two accumulators in one instruction ($1 the first, low half).
@@ -80,6 +67,29 @@ _RELU_BF16X2_ASM = gl.constexpr("cvt.rn.relu.bf16x2.f32 $0, $2, $1;")
 def _sum_mma_layout():
     """The head-sum product [64 tokens, 8 columns] (fp32): column 2r + 1 and 2r of query row r."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+
+
+@gluon.constexpr_function
+def _score_mma_layout(n):
+    """The score product [64 tokens, n = rows x heads] (fp32), K = 32 a wgmma instruction."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32])
+
+
+@gluon.jit
+def _query_operand(q_ptr, b, NEXT_N: gl.constexpr, H: gl.constexpr, N: gl.constexpr, TABLE_ORDER: gl.constexpr):
+    """Request ``b``'s queries [N, 128] e4m3 as the B operand of the score product, in shared memory
+    (row n: query row n // H, head n % H; rows past NEXT_N zero), columns in the key order of the
+    table decode (``table_columns``) when ``TABLE_ORDER`` (MXFP4 keys), in element order otherwise."""
+    D: gl.constexpr = 128
+    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    if TABLE_ORDER:
+        d = table_columns(d, D // 32)
+    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
+    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
+    return gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
 
 
 @gluon.jit
@@ -116,7 +126,7 @@ def _mma_head_sums(acc, w_smem, MMA: gl.constexpr):
 @gluon.constexpr_function
 def _key_layout():
     """[64 tokens, 4 words, 2 halves, 4 groups, 4 bytes] -> the wgmma A operand registers
-    (reshaped to [64, 128]: column 32 w + 16 s + 4 g + j, see ``_table_columns``)."""
+    (reshaped to [64, 128]: column 32 w + 16 s + 4 g + j, see ``table_columns``)."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [8, 0, 0, 0, 0], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0],
                    [0, 2, 0, 0, 0]],
@@ -168,41 +178,30 @@ def paged_decode_mxfp4_kernel(
     num_pages, max_blocks, bt_stride, page_stride, max_model_len, out_stride,
     NEXT_N: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr, TILES: gl.constexpr,
 ):
-    D: gl.constexpr = 128
     PAGE: gl.constexpr = 64
     N: gl.constexpr = ROWS * H
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
-    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])      # [N, D] queries
-    QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    MMA: gl.constexpr = _score_mma_layout(N)
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
     ncol, len_col, num_scored = _program_rows(lens_ptr, b, col0, max_model_len, NEXT_N, PER_ROW, TILES)
 
-    # Queries [N, D] in the key column order (_table_columns), as the B operand in shared memory
-    # (row n: query row n // H, head n % H; rows past NEXT_N zero).
-    n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
-    col = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    d = 32 * ((col // 4) % 4) + 8 * (col // 32) + 4 * ((col // 16) % 2) + col % 4
-    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
-    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
+    q_smem = _query_operand(q_ptr, b, NEXT_N, H, N, True)
     # The 2**-6 of the token factor 2**(top - 133) is folded into the weights.
     w_smem = _head_weight_operand(w_ptr, b, 0.015625, NEXT_N, H, N)
-    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, TILES, 2)
+    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, num_pages, TILES, 2)
     fence_async_shared()
     gl.thread_barrier()
 
     tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N)
     offs = _page_offsets()
-    pages = (pages_ptr, num_pages, page_stride)
+    pages = (pages_ptr, page_stride)
     out_args = (gl.zeros([PAGE, N], gl.float32, MMA), q_smem, w_smem, out_rows, row_ok, tok2, len2, col0,
                 max_model_len)
     # Page t + 1's words and scales load into registers while page t is scored and page t + 2
-    # is copied into L2, so no load waits inside a page (H200, 128K: 194 -> 188 us at H = 32,
-    # 243 -> 225 us at H = 64; 3-6 pages ahead was slower). A page that is -1, past the pool
-    # or past num_scored is read at page 0 (a masked load costs a zero fill a register) and
-    # scores -inf.
+    # is copied into L2, so no load waits inside a page (more pages ahead was slower). A page
+    # that is -1, past the pool or past num_scored is read at page 0 (a masked load costs a
+    # zero fill a register) and scores -inf.
     base_a, ok_a = _page_base(_entry(entries, 0), *pages)
     words_a, scales_a = _load_page(base_a, offs)
     base_b, ok_b = _page_base(_entry(entries, 1), *pages)
@@ -246,16 +245,16 @@ def _power_of_two_at_least(n):
 
 
 @gluon.jit
-def _block_entries(bt_row, blk0, num_scored, max_blocks, TILES: gl.constexpr, AHEAD: gl.constexpr):
-    """The program's block-table entries in shared memory, read once at the start (-1 past
-    num_scored or the table, which covers the AHEAD look-ahead slots past the last page): an
-    entry loaded from global memory inside the page loop made every page wait for it (ptxas
-    moves the loop-carried entry into a uniform register at the end of the iteration that
-    loads it; H200, MXFP4, 128K: 185.6 -> 182.5 us at H = 32, 224.9 -> 219.8 us at H = 64)."""
+def _block_entries(bt_row, blk0, num_scored, max_blocks, num_pages, TILES: gl.constexpr, AHEAD: gl.constexpr):
+    """The program's pages in shared memory, read once at the start: ``block_table_page`` of each
+    block, -1 where it is unusable and past num_scored (which covers the AHEAD look-ahead slots
+    past the last page). An entry loaded from global memory inside the page loop made every page
+    wait for it (ptxas moves the loop-carried entry into a uniform register at the end of the
+    iteration that loads it)."""
     SLOTS: gl.constexpr = _power_of_two_at_least(TILES + AHEAD)
     L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     i = gl.arange(0, SLOTS, layout=L)
-    entry = gl.load(bt_row + blk0 + i, mask=(i < num_scored) & (blk0 + i < max_blocks), other=-1)
+    entry, _ = block_table_page(bt_row, blk0 + i, i < num_scored, max_blocks, num_pages)
     layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     smem = gl.allocate_shared_memory(gl.int32, [SLOTS], layout, entry)
     # The same bytes as [SLOTS, 1] rows, so that .index(t) (a dynamic index) gives entry t.
@@ -270,12 +269,12 @@ def _entry(entries, t):
 
 
 @gluon.jit
-def _page_base(page, pages_ptr, num_pages, page_stride):
-    """(the page's first byte, page 0's when ``page`` is -1 or past the pool; whether it is readable)."""
-    # One unsigned compare covers -1 too; the page index is then a 32-bit zero-extended multiplier.
-    page = page.to(gl.uint32, bitcast=True)
-    ok = page < num_pages.to(gl.uint32, bitcast=True)
-    return pages_ptr + gl.where(ok, page, 0).to(gl.uint64) * page_stride.to(gl.uint64, bitcast=False), ok
+def _page_base(page, pages_ptr, page_stride):
+    """(the first byte of page ``page`` of ``_block_entries``, page 0's when it is -1; whether it is usable)."""
+    ok = page >= 0
+    # The page index as a 32-bit zero-extended multiplier.
+    row = gl.where(ok, page, 0).to(gl.uint32, bitcast=True)
+    return pages_ptr + row.to(gl.uint64) * page_stride.to(gl.uint64, bitcast=False), ok
 
 
 @gluon.jit
@@ -388,9 +387,9 @@ def _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES: 
 @gluon.jit
 def _fetch_page(k_desc, page, live, num_pages, bar, dest):
     """Start the TMA copy of key page ``page`` (a block-table entry) into ``dest`` (arriving on
-    ``bar``) when ``live``. An entry that is -1 or past the pool is fetched at page
+    ``bar``) when ``live``. An unusable page (-1, ``_block_entries``) is fetched at page
     ``num_pages``: outside the tensor, so the copy reads nothing and fills zeros."""
-    page = gl.where((page >= 0) & (page < num_pages), page, num_pages)
+    page = gl.where(page >= 0, page, num_pages)
     mbarrier.expect(bar, 64 * 128, pred=live)
     tma.async_copy_global_to_shared(k_desc, [page, 0, 0], bar, dest, pred=live)
 
@@ -411,16 +410,15 @@ def paged_decode_fp8_kernel(
     D: gl.constexpr = 128
     PAGE: gl.constexpr = 64
     N: gl.constexpr = ROWS * H
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
-    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    MMA: gl.constexpr = _score_mma_layout(N)
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
     ncol, len_col, num_scored = _program_rows(lens_ptr, b, col0, max_model_len, NEXT_N, PER_ROW, TILES)
 
     # The key ring: the first STAGES pages start loading before anything else.
-    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, TILES, STAGES)
+    entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, num_pages, TILES,
+                             STAGES)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, PAGE, D], k_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -429,12 +427,7 @@ def paged_decode_fp8_kernel(
     for s in gl.static_range(STAGES):
         _fetch_page(k_desc, _entry(entries, s), s < num_scored, num_pages, bars.index(s), k_smem.index(s))
 
-    # Queries [N, D] (row n: query row n // H, head n % H; rows past NEXT_N zero) as the B operand.
-    n = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
-    d = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
-    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
+    q_smem = _query_operand(q_ptr, b, NEXT_N, H, N, False)
     w_smem = _head_weight_operand(w_ptr, b, 1.0, NEXT_N, H, N)
     tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N)
     fence_async_shared()
@@ -444,14 +437,14 @@ def paged_decode_fp8_kernel(
     acc0 = gl.zeros([PAGE, N], gl.float32, MMA)
 
     page = _entry(entries, 0)
-    ok_next = (page >= 0) & (page < num_pages)
+    ok_next = page >= 0
     scales_next = gl.load(scales_ptr + gl.where(ok_next, page, 0).to(gl.int64) * scale_stride + tok, mask=ok_next)
     for t in range(num_scored):
         slot = t % STAGES
         scales = scales_next
         ok = ok_next
         page = _entry(entries, t + 1)
-        ok_next = (page >= 0) & (page < num_pages)
+        ok_next = page >= 0
         scales_next = gl.load(scales_ptr + gl.where(ok_next, page, 0).to(gl.int64) * scale_stride + tok,
                               mask=ok_next)
 

@@ -1,0 +1,216 @@
+"""Which kernel computes the indexer logits, and with which launch settings.
+
+Paged decode: on Hopper the Gluon kernels (``decode_gluon``) where they apply, MXFP4 keys at
+every next_n and FP8 keys with 2-4 query rows; elsewhere (other GPUs, other shapes, the CPU
+interpreter) the Triton kernel (``decode_triton``). Ragged prefill: the Triton kernel
+(``prefill_triton``). :func:`decode_kernel` says which one a call takes. ``config`` on the
+launchers overrides the settings below for one call (tests and ``dsacache.bench logits
+--sweep``); the settings were tuned on an H200 (``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from dsacache.formats.key_format import IndexerKeyFormat
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.ops.indexer_logits.decode_triton import paged_decode_kernel
+from dsacache.ops.indexer_logits.mxfp4_e4m3 import PTX_AVAILABLE
+from dsacache.ops.indexer_logits.prefill_triton import ragged_prefill_kernel
+from dsacache.ops.triton_utils import check_launch
+
+#: Paged decode settings (a tile is one 64-token page).
+DECODE_CONFIG = {
+    "TILES": 8,            # pages a program (Triton kernel): the fastest in the H200 sweep
+    "num_warps": 4,        # the MXFP4 table decode keeps its keys in registers only at 16 * num_warps tokens a tile
+    "num_stages": 2,       # the pipeliner prefetches the next page's key values
+    "maxnreg": 64,         # register cap with one query row (NVIDIA): one more program an SM
+    "maxnreg_rows": 96,    # the cap with several rows: 64 spills there
+    "maxnreg_cols": 64,    # caps apply up to this many product columns (next_n rounded up, times H); wider got slower
+    "split_rows": {2: 64},  # next_n -> fewest heads at which a product a row (fewer accumulators) was faster
+    "kernel": {2: "gluon", 3: "gluon", 4: "gluon"},  # FP8 keys, next_n -> kernel; at 1 row Triton is as fast
+    "fp8_gluon_tiles": 32,  # pages a program of the FP8 Gluon kernel: faster than 16 in the H200 probe
+    "fp8_gluon_stages": 4,  # pages in flight in its TMA ring: covers the load latency (6 was no gain)
+}
+#: What MXFP4 keys change in DECODE_CONFIG (tuned on their own).
+MXFP4_DECODE_CONFIG: dict = {
+    "TILES": 16,           # pages a program (Triton and Gluon; for Gluon 8 and 32 were slower)
+    "maxnreg_cols": 32,    # the cap helps at H = 32 and hurts at H = 64
+    "maxnreg_rows": None,  # no cap with several rows
+    "kernel": "gluon",     # Gluon on Hopper at every next_n: far fewer instructions a page than the Triton decode
+}
+#: Ragged prefill settings.
+PREFILL_CONFIG = {
+    "BLOCK_N": 64,         # keys a tile: the MXFP4 table decode keeps them in registers with 4 warps
+    "TILES": 8,            # tiles a program, as the decode: long rows of tiles amortise the query load
+    "ROWS": 4,             # query rows a program: each key tile is read once for all of them
+    "num_warps": 4,        # what BLOCK_N = 64 asks of the table decode
+    "num_stages": 3,       # the pipeliner prefetches two tiles of keys ahead
+}
+
+
+def _words_aligned(values: torch.Tensor) -> bool:
+    """Whether MXFP4 key rows can be read as 32-bit words (the table decode): 4-byte aligned,
+    as cache pages and fresh tensors always are; otherwise the byte-wise decode runs."""
+    return values.data_ptr() % 4 == 0 and values.stride(0) % 4 == 0
+
+
+def _split_rows(cfg: dict, next_n: int, num_heads: int) -> bool:
+    """Whether the Triton decode runs one product per query row (``cfg["split_rows"]``: next_n ->
+    the fewest heads for it). The kernel handles 2-4 rows that way."""
+    least = (cfg.get("split_rows") or {}).get(next_n)
+    return least is not None and 2 <= next_n <= 4 and num_heads >= least
+
+
+def next_n_kernel(choice, next_n: int) -> str:
+    """The kernel a config entry picks for next_n: a name, or a dict next_n -> name ("triton" if absent)."""
+    if isinstance(choice, dict):
+        return choice.get(next_n, "triton")
+    return choice or "triton"
+
+
+def _gluon_applies(q: torch.Tensor, values: torch.Tensor) -> bool:
+    """What both Gluon decodes need: a Hopper GPU, D = 128, 16-128 heads, at most 256 product
+    columns (next_n rounded up to a power of two, times H), at least one 16-byte aligned key page."""
+    if not PTX_AVAILABLE or not q.is_cuda:
+        return False
+    batch, next_n, num_heads, head_dim = q.shape
+    return (torch.cuda.get_device_capability(q.device)[0] == 9 and head_dim == 128
+            and num_heads in (16, 32, 64, 128) and triton.next_power_of_2(next_n) * num_heads <= 256
+            and values.shape[0] > 0 and values.data_ptr() % 16 == 0 and values.stride(0) % 16 == 0)
+
+
+def _pool_pages(values: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether MXFP4 views have the pool's page layout the Gluon kernel reads: each page's scales
+    right after its values (as ``mxfp4_page_views`` cuts them)."""
+    return (scales.data_ptr() == values.data_ptr() + values.shape[1] * values.shape[2]
+            and scales.stride(0) == values.stride(0) and scales.stride(1) == scales.shape[2])
+
+
+def _decode_config(fmt: IndexerKeyFormat, config: dict | None) -> dict:
+    return {**DECODE_CONFIG, **(MXFP4_DECODE_CONFIG if fmt.is_mxfp4 else {}), **(config or {})}
+
+
+def _choose_decode(cfg: dict, q: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                   fmt: IndexerKeyFormat) -> str:
+    if next_n_kernel(cfg.get("kernel"), q.shape[1]) != "gluon" or not _gluon_applies(q, values):
+        return "triton"
+    if fmt.is_mxfp4 and not _pool_pages(values, scales):
+        return "triton"
+    return "gluon"
+
+
+def decode_kernel(q: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, fmt: IndexerKeyFormat,
+                  config: dict | None = None) -> str:
+    """Which kernel ``launch_paged_decode`` runs for these inputs: "gluon" or "triton" (for reports)."""
+    return _choose_decode(_decode_config(fmt, config), q, values, scales, fmt)
+
+
+def launch_paged_decode(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    fmt: IndexerKeyFormat,
+    config: dict | None = None,
+) -> None:
+    """Fill ``out [B*next_n, max_model_len]``; ``values``/``scales`` are the page views of the format
+    ``fmt``, ``context_lens`` is per row ``[B, next_n]`` or per request ``[B]`` (unclamped)."""
+    cfg = _decode_config(fmt, config)
+    check_launch(q.is_contiguous() and weights.is_contiguous() and context_lens.is_contiguous(),
+                 "q, weights and context_lens contiguous")
+    check_launch(context_lens.dtype == torch.int32 and context_lens.dim() in (1, 2),
+                 "context_lens int32 [B] or [B, next_n]")
+    check_launch(values.stride()[1:] == (values.shape[2], 1) and block_table.stride(1) == 1,
+                 "contiguous page rows and block_table rows")
+    check_launch(out.is_contiguous(), "contiguous out")
+    args = (q, weights, context_lens, values, scales, block_table, out, cfg)
+    if _choose_decode(cfg, q, values, scales, fmt) == "triton":
+        _launch_triton_decode(*args, fmt)
+    elif fmt.is_mxfp4:
+        _launch_gluon_mxfp4_decode(*args)
+    else:
+        _launch_gluon_fp8_decode(*args)
+
+
+def _launch_triton_decode(q, weights, context_lens, values, scales, block_table, out, cfg, fmt) -> None:
+    batch, next_n, num_heads, head_dim = q.shape
+    max_model_len = out.shape[1]
+    rows = triton.next_power_of_2(next_n)
+    cap = cfg.get("maxnreg") if rows == 1 else cfg.get("maxnreg_rows")
+    capped = cap and PTX_AVAILABLE and rows * num_heads <= cfg.get("maxnreg_cols", 0)
+    extra = {"maxnreg": cap} if capped else {}
+    paged_decode_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * cfg["TILES"]), batch)](
+        q, weights, context_lens, values, scales, block_table, out,
+        values.shape[0], block_table.shape[1], block_table.stride(0),
+        values.stride(0), scales.stride(0), max_model_len, out.stride(0),
+        NEXT_N=next_n, ROWS=rows, H=num_heads, D=head_dim, PER_ROW=context_lens.dim() == 2,
+        MXFP4=fmt.is_mxfp4, ALIGNED=_words_aligned(values), VALUE_BYTES=fmt.value_bytes,
+        SCALES_PER_TOKEN=fmt.scale_bytes // scales.element_size(),
+        BLOCK_N=KERNEL_PAGE_SIZE, TILES=cfg["TILES"], SPLIT=_split_rows(cfg, next_n, num_heads),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
+    )
+
+
+def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_table, out, cfg) -> None:
+    """``decode_gluon.paged_decode_mxfp4_kernel``: reads whole pages (values, then scales)."""
+    from dsacache.ops.indexer_logits.decode_gluon import paged_decode_mxfp4_kernel
+
+    batch, next_n, num_heads, head_dim = q.shape
+    max_model_len = out.shape[1]
+    paged_decode_mxfp4_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * cfg["TILES"]), batch)](
+        q, weights, context_lens, values, block_table, out,
+        values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
+        out.stride(0), NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads,
+        PER_ROW=context_lens.dim() == 2, TILES=cfg["TILES"], num_warps=4,
+    )
+
+
+def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_table, out, cfg) -> None:
+    """``decode_gluon.paged_decode_fp8_kernel``: key pages by TMA (a descriptor over the pool's
+    pages), ``fp8_gluon_tiles`` pages a program, a ring of ``fp8_gluon_stages`` pages."""
+    from triton.experimental.gluon.language import NVMMASharedLayout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from dsacache.ops.indexer_logits.decode_gluon import paged_decode_fp8_kernel
+
+    batch, next_n, num_heads, head_dim = q.shape
+    max_model_len, tiles = out.shape[1], cfg["fp8_gluon_tiles"]
+    k_desc = TensorDescriptor(values, list(values.shape), list(values.stride()), [1, KERNEL_PAGE_SIZE, head_dim],
+                              NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
+    paged_decode_fp8_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
+        q, weights, context_lens, k_desc, scales, block_table, out,
+        values.shape[0], block_table.shape[1], block_table.stride(0), scales.stride(0), max_model_len, out.stride(0),
+        NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads, PER_ROW=context_lens.dim() == 2,
+        TILES=tiles, STAGES=cfg["fp8_gluon_stages"], num_warps=4,
+    )
+
+
+def launch_ragged_prefill(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    k_values: torch.Tensor,
+    k_scales: torch.Tensor,
+    out: torch.Tensor,
+    fmt: IndexerKeyFormat,
+    config: dict | None = None,
+) -> None:
+    """Fill ``out [M, N]`` from contiguous keys of the format ``fmt``."""
+    cfg = {**PREFILL_CONFIG, **(config or {})}
+    num_rows, num_heads, head_dim = q.shape
+    check_launch(q.is_contiguous() and weights.is_contiguous() and out.is_contiguous(), "q, weights and out contiguous")
+    check_launch(k_values.is_contiguous() and k_scales.is_contiguous(), "k_values and k_scales contiguous")
+    num_keys = out.shape[1]
+    grid = (triton.cdiv(num_keys, cfg["BLOCK_N"] * cfg["TILES"]), triton.cdiv(num_rows, cfg["ROWS"]))
+    ragged_prefill_kernel[grid](
+        q, weights, ks, ke, k_values, k_scales, out, num_rows, num_keys, out.stride(0),
+        ROWS=cfg["ROWS"], H=num_heads, D=head_dim, MXFP4=fmt.is_mxfp4, ALIGNED=_words_aligned(k_values),
+        VALUE_BYTES=fmt.value_bytes, SCALES_PER_TOKEN=fmt.scale_bytes // k_scales.element_size(),
+        BLOCK_N=cfg["BLOCK_N"], TILES=cfg["TILES"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
