@@ -379,3 +379,62 @@ def test_kcache_rows_carry_the_store_peer(scale, stray, agrees, monkeypatch, cap
             assert row.peer_ms is None and row.peer_note.startswith("disagrees with the reference")
             assert ("outside the slots" in row.peer_note) == stray
     assert capsys.readouterr().err.count("disagrees") == (0 if agrees else 2)
+
+
+class FakeDeepGemm:
+    """Stands in for the deep_gemm module: the reference logits (times ``scale``), NaN past each
+    row's length (where DeepGEMM's values are not defined)."""
+
+    def __init__(self, scale=1.0):
+        self.scale = scale
+
+    def get_num_sms(self):
+        return 132
+
+    def get_paged_mqa_logits_metadata(self, context_lens, block, num_sms):
+        return torch.zeros(num_sms + 1, 2, dtype=torch.int32)
+
+    def fp8_fp4_paged_mqa_logits(self, q, kv, weights, context_lens, block_table, meta, max_model_len):
+        from dsacache.ops.indexer_logits import paged_decode_logits
+
+        out = paged_decode_logits(q[0], weights * self.scale, context_lens, kv.squeeze(2), block_table,
+                                  max_model_len=max_model_len, impl="torch")
+        return torch.where(out.isneginf(), float("nan"), out)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+@pytest.mark.parametrize("scale,agrees", [(1.0, True), (-1.0, False)])
+def test_logits_rows_carry_deepgemm(next_n, scale, agrees, monkeypatch, capsys):
+    import argparse
+
+    from dsacache.bench import logits
+
+    monkeypatch.setattr(logits, "time_graph", lambda fn: _one_call(fn) * 2)
+    monkeypatch.setattr(logits, "time_cuda", _one_call)
+    peer_set = peers.PeerSet({"logits": peers.DeepGemmLogits(FakeDeepGemm(scale))})
+    args = argparse.Namespace(next_n=next_n, ceiling_gbps=4000.0, peers=peer_set)
+    fp8_ms, peer_ms, rows = {}, {}, []
+    for fmt in ("fp8", "mxfp4"):
+        pages = logits.make_pages(8, fmt, torch.device("cpu"))
+        inputs = logits.make_inputs(2, 256, 32, next_n, pages)
+        inputs = (*inputs[:3], pages, inputs[3])
+        rows.append(logits.time_row(args, inputs, fmt, 256, 1000, fp8_ms, peer_ms))
+    fp8, mxfp4 = rows
+    assert fp8.peer == "DeepGEMM fp8_fp4_paged_mqa_logits" and mxfp4.peer is None
+    assert mxfp4.extra["speedup_vs_fp8"] == "1.00x"
+    if agrees:
+        assert fp8.peer_ms == 2.0 and fp8.peer_note.startswith("calc-diff")
+        assert mxfp4.extra["deepgemm_fp8_us"] == "2000.0" and mxfp4.extra["speedup_vs_deepgemm_fp8"] == "1.00x"
+    else:
+        assert fp8.peer_ms is None and fp8.peer_note.startswith("disagrees with the reference: calc-diff")
+        assert "deepgemm_fp8_us" not in mxfp4.extra and "disagrees" in capsys.readouterr().err
+
+
+def test_wide_logits_shapes_are_issue_20s():
+    from dsacache.bench import logits
+
+    args = build_parser().parse_args(["logits", "--shapes", "wide"])
+    assert logits.shape_pairs(args) == [(32, 8192), (32, 65536), (128, 8192), (128, 65536)]
+    args = build_parser().parse_args(["logits", "--batch", "32", "64", "--ctx", "4096"])
+    assert logits.shape_pairs(args) == [(32, 4096), (64, 4096)]
+    assert logits.shape_pairs(build_parser().parse_args(["logits"])) == [(64, 32768), (64, 131072)]
