@@ -118,6 +118,9 @@ def test_deep_gemm_is_unpacked_imported_and_called_on_the_suites_inputs(fake_dee
     assert torch.equal(lens, want_lens) and torch.equal(meta, torch.tensor([7]))
     assert kv.shape == (10, 64, 1, 132) and kv.data_ptr() == pages.data_ptr()
     assert kv.stride(0) == pages.stride(0) == 2 * 64 * 132
+    mxfp4_pages = torch.zeros(10, 64, 68, dtype=torch.uint8)
+    with pytest.raises(peers.PeerUnsupported, match="entry of 68 bytes"):
+        peer.make_call(q, weights, seq_lens, mxfp4_pages, block_table, ctx)
 
 
 def test_deep_gemm_limits_on_sm90():
@@ -225,8 +228,10 @@ def test_flashmla_call_pads_the_queries_and_returns_the_real_heads():
     assert idx.dtype == torch.int32 and torch.equal(idx, indices.int())
     assert rest == [None] * 7 + [512, 0.1, None, False]
     assert out.shape == (2, 1, 12, 512) and torch.equal(out, q[..., :512]) and lse.shape == (2, 12, 1)
-    with pytest.raises(peers.PeerUnsupported, match="row stride"):
+    with pytest.raises(peers.PeerUnsupported, match="656 bytes 700 apart"):
         peer.make_call(q, torch.zeros(6, 64, 700, dtype=torch.uint8)[:, :, :656], indices, 0.1)
+    with pytest.raises(peers.PeerUnsupported, match="1152 bytes"):
+        peer.make_call(q, torch.zeros(6, 64, 1152, dtype=torch.uint8), indices, 0.1)
 
 
 def _row(**kw):

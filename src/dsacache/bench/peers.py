@@ -11,8 +11,8 @@
 A file that is missing or fails to load makes its peers unavailable: :func:`load_peers` says
 so in one line on stderr per peer, and the suites skip them. A suite builds a peer's call on
 its own inputs after its own correctness check, checks the peer's output against the same
-reference and times it with the suite's own timer
-(:func:`dsacache.bench.harness.time_graph`), all in :func:`attach_peer`; a peer that fails or disagrees is reported on the row, never timed.
+reference and times it with the suite's own timer (:func:`dsacache.bench.harness.time_graph`),
+all in :func:`attach_peer`; a peer that fails or disagrees is reported on the row, never timed.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from typing import Callable
 import torch
 
 from dsacache.bench.harness import BenchRow
-from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE, mla_entry_bytes
 
+#: Bytes of the fp8_ds_mla entry FlashMLA's sparse decode reads (latent rank 512, rope 64): 656.
+FP8_DS_MLA_ENTRY = mla_entry_bytes(512, 64, "fp8_ds_mla")
 #: Bytes of the scratch buffer vLLM's persistent top-k takes (its caller owns it).
 TOPK_WORKSPACE_BYTES = 1 << 20
 
@@ -94,7 +96,9 @@ class DeepGemmLogits(Peer):
         """
         from dsacache.ops.indexer_logits import per_row_context_lens
 
-        batch, next_n, heads, _ = q.shape
+        _, next_n, heads, head_dim = q.shape
+        if pages.shape[-1] != head_dim + 4:
+            raise PeerUnsupported(f"entry of {pages.shape[-1]} bytes: DeepGEMM is given FP8 pages ({head_dim + 4} bytes)")
         if q.is_cuda:
             why = deepgemm_unsupported(heads, next_n, torch.cuda.get_device_capability(q.device))
             if why:
@@ -222,8 +226,9 @@ class FlashMlaSparseDecode(Peer):
         lse [B, H, s_q] fp32)`` for the real heads.
         """
         batch, s_q, heads, dim = q.shape
-        if pages.stride(1) != pages.shape[2]:
-            raise PeerUnsupported(f"page row stride {pages.stride(1)}: FlashMLA reads entries of one page back to back")
+        if pages.shape[2] != FP8_DS_MLA_ENTRY or pages.stride(1) != FP8_DS_MLA_ENTRY:
+            raise PeerUnsupported(f"entries of {pages.shape[2]} bytes {pages.stride(1)} apart: FlashMLA reads "
+                                  f"{FP8_DS_MLA_ENTRY}-byte fp8_ds_mla entries back to back")
         padded = flashmla_heads(heads)
         if padded != heads:
             q = torch.cat([q, q.new_zeros(batch, s_q, padded - heads, dim)], dim=2)
