@@ -75,8 +75,8 @@ def test_default_json_is_k31_tp8():
     assert out["draft_bytes_per_token"] == 0
     assert out["state_bytes"] == 814080
     assert out["indexer_kv_dtype"] == "fp8"
-    assert out["num_rows"] == 2661  # 51,539,607,552 // (1024 x 18912)
-    assert out["token_capacity"] == 2661 * 1024
+    assert out["num_rows"] == 2660  # 51,539,607,552 // (1024 x 18912), less the guard row
+    assert out["token_capacity"] == 2660 * 1024
     assert out["page_stride_bytes"] == 1210368  # 64 x 18912
 
 
@@ -295,7 +295,8 @@ def test_argparse_refusals(args, needles):
     (["--decode-context-parallel-size", "3"], ["decode_context_parallel_size=3"]),
     (["--prefill-context-parallel-size", "0"], ["prefill_context_parallel_size must be an integer >= 1"]),
     (["--reference-tp", "0"], ["reference_tp must be an integer >= 1"]),
-    (["--kv-cache-memory-bytes", "1MB"], ["cannot hold one request", "--kv-cache-memory-bytes"]),
+    (["--kv-cache-memory-bytes", "1MB"], ["holds no row", "one row is", "--kv-cache-memory-bytes"]),
+    (["--kv-cache-memory-bytes", "100MB"], ["cannot hold one request", "--kv-cache-memory-bytes"]),
     (["--gpu-memory", "1GB"], ["cannot hold one request"]),
     (["--cache-fraction", "1.5"], ["--cache-fraction must be in (0, 1]"]),
     (["--context-length", "0"], ["context_length must be >= 1"]),
@@ -316,9 +317,33 @@ def test_unknown_builtin_model_lists_allowed_names():
 
 def test_plot_to_unwritable_path(tmp_path):
     pytest.importorskip("matplotlib")
-    assert_config_error(run_plan("--plot", str(tmp_path / "missing-dir" / "x.png")), "--plot", "cannot write")
+    assert_config_error(run_plan("--plot", str(tmp_path / "missing-dir" / "x.png")), "--plot", "does not exist")
+    assert not (tmp_path / "missing-dir").exists()
 
 
 @pytest.mark.parametrize("option", ["--kv-cache-memory-bytes", "--gpu-memory"])
 def test_overflowing_byte_size(option):
     assert_refused(run_plan(option, "1e400"), option)
+
+
+def test_plan_under_dcp_reports_one_ranks_capacity(capsys):
+    """DCP N: every rank keeps the same rows and block, a row covers N x block tokens of a request,
+    so a 1M-token request needs N times fewer attention rows on each rank."""
+    from dsacache.cli.main import main
+
+    context = 1 << 20
+    plans = {}
+    for dcp in (1, 2, 4, 8):
+        assert main(["plan", "--json", "--decode-context-parallel-size", str(dcp), "--context-length",
+                     str(context)]) == 0
+        plans[dcp] = json.loads(capsys.readouterr().out)
+    base = plans[1]
+    for dcp, p in plans.items():
+        assert p["decode_context_parallel_size"] == dcp
+        assert (p["block_size"], p["num_rows"]) == (base["block_size"], base["num_rows"])
+        assert p["attention_rows_per_request"] == -(-context // (dcp * p["block_size"]))
+        assert p["max_concurrent_requests"] == p["num_rows"] // (p["state_rows_per_request"]
+                                                                 + p["attention_rows_per_request"])
+    assert plans[8]["max_concurrent_requests"] > plans[1]["max_concurrent_requests"]
+    assert main(["plan", "--decode-context-parallel-size", "4"]) == 0
+    assert "DCP 4: a row covers 4,096 tokens, each rank storing its share" in capsys.readouterr().out

@@ -93,7 +93,7 @@ def test_packed_pool_writes_only_the_slots_asked_for(device, impl):
     store_mla_latents(kv_c, k_pe, pages, slots, impl=impl)
     changed = (pool.buffer != before).nonzero().squeeze(1).cpu()
     owned = set()
-    base = pages.storage_offset()
+    base = pages.storage_offset() - pool.buffer.storage_offset()  # the KDA guard row comes first
     for slot in (0, 64 * 17 + 5, pages.shape[0] * 64 - 1):
         start = base + (slot // 64) * pages.stride(0) + (slot % 64) * 656
         owned.update(range(start, start + 656))

@@ -269,9 +269,11 @@ def test_state_not_four_byte_aligned():
         plan(CacheConfig.from_config_dict(raw, tensor_parallel_size=1))
 
 
-def test_negative_num_rows():
-    with pytest.raises(ConfigError, match="num_rows must be >= 0"):
-        plan(CacheConfig.from_model("kimi-k3.1"), num_rows=-1)
+@pytest.mark.parametrize("rows", [-1, 0])
+def test_num_rows_below_one(rows):
+    # the allocator refuses an empty pool too: plan does not build one
+    with pytest.raises(ConfigError, match="num_rows must be an integer >= 1"):
+        plan(CacheConfig.from_model("kimi-k3.1"), num_rows=rows)
 
 
 # --- the MXFP4 refusals ---------------------------------------------------------------------

@@ -123,10 +123,11 @@ def test_k31_tp8_rows_and_strides():
     assert layout.pages_per_row == 16
     assert layout.page_stride_bytes == 1210368  # 64 x 18912
     assert layout.row_bytes == 19365888  # 1024 x 18912
-    assert layout.num_rows == 2661  # 51,539,607,552 // 19,365,888
-    assert layout.num_kernel_pages == 2661 * 16
-    assert layout.token_capacity == 2661 * 1024
-    assert layout.pool_bytes == 2661 * 19365888
+    assert layout.num_rows == 2660  # 51,539,607,552 // 19,365,888 = 2661, less the guard row
+    assert layout.guard_rows == 1
+    assert layout.num_kernel_pages == 2660 * 16
+    assert layout.token_capacity == 2660 * 1024
+    assert layout.pool_bytes == 2661 * 19365888  # the rows and the guard row
     assert layout.state_rows_per_request == 3  # ceil(69 / 23)
     assert layout.pow2_block_size == 1024  # 512 x 18912 < 23 x 814,080 <= 1024 x 18912
     assert layout.rows_per_request(32768) == 3 + 32  # 32768 / 1024 = 32
@@ -143,16 +144,15 @@ def test_pow2_block_differs_from_the_packed_block():
 
 
 def test_default_budget_rows():
-    # 141e9 x 0.35 = 49,350,000,000 B // 19,365,888 = 2548
-    assert plan(k31()).num_rows == 2548
+    # 141e9 x 0.35 = 49,350,000,000 B // 19,365,888 = 2548, less the guard row
+    assert plan(k31()).num_rows == 2547
 
 
 def test_num_rows_override():
     layout = plan(k31(), num_rows=10)
     assert layout.num_rows == 10
     assert layout.token_capacity == 10240  # 10 x 1024
-    assert layout.pool_bytes == 193658880  # 10 x 19,365,888
-    assert plan(k31(), num_rows=0).num_rows == 0
+    assert layout.pool_bytes == 213024768  # (10 + the guard row) x 19,365,888
 
 
 def test_k31_tp1_headline():
@@ -261,13 +261,13 @@ def test_paged_layout_deepseek_v32():
 
 
 def test_with_block_size_keeps_pool_bytes():
-    layout = plan(k31(), num_rows=100)  # 100 x 1024 x 18912 = 1,936,588,800 B
+    layout = plan(k31(), num_rows=100)  # (100 + 1 guard) x 1024 x 18912 = 1,955,954,688 B
     wide = layout.with_block_size(2048)
     assert wide.block_size == 2048
-    assert wide.num_rows == 50  # 1,936,588,800 // (2048 x 18912)
+    assert wide.num_rows == 49  # 1,955,954,688 // (2048 x 18912) = 50, less its guard row
     assert wide.row_bytes_per_token == 18912
     assert layout.num_rows == 100  # the original is untouched (frozen)
-    # 1,936,588,800 // (1088 x 18912 = 20,576,256) = 94
+    # 1,955,954,688 // (1088 x 18912 = 20,576,256) = 95, less the guard row
     assert layout.with_block_size(1088).num_rows == 94
     same = layout.with_block_size(1024)
     assert same.num_rows == 100

@@ -75,3 +75,18 @@ def test_k31_attention_heads_per_rank(tp, per_rank):
 def test_attention_heads_per_rank_other_models():
     assert CacheConfig.from_model("deepseek-v3.2", tensor_parallel_size=16).attention_heads_per_rank == 8
     assert CacheConfig.from_model("kimi-linear-48b", tensor_parallel_size=4).attention_heads_per_rank == 8
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_attention_heads", 0, "ModelSpec.num_attention_heads must be an integer >= 1"),
+    ("q_lora_rank", 1.5, "ModelSpec.q_lora_rank must be an integer"),
+    ("v_head_dim", "128", "ModelSpec.v_head_dim must be an integer"),
+    ("mla_use_nope", 1, "ModelSpec.mla_use_nope must be True or False"),
+])
+def test_modelspec_checks_the_mla_fields_it_is_built_with(field, value, match):
+    import dataclasses
+
+    from dsacache.config.model import load_model
+
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(load_model("kimi-k3.1"), **{field: value})

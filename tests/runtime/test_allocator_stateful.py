@@ -110,6 +110,25 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.free(rid)
         del self.tokens[rid]
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def save_checkpoint(self, data):
+        rid = self._live(data)
+        positions = self.alloc.checkpoint_positions(rid)
+        if not positions:
+            self._refused(ValueError, self.alloc.save_checkpoint, rid, BS)
+            return
+        position = data.draw(st.sampled_from(positions))
+        saved = self.alloc.save_checkpoint(rid, position)
+        assert position not in self.alloc.checkpoint_positions(rid)
+        if saved:
+            assert self.alloc.num_checkpoint_rows >= STATE_ROWS
+
+    @rule()
+    def pop_state_copies(self):
+        for src, dst in self.alloc.pop_state_copies():
+            assert src != dst
+
     # Bad calls: each must raise ValueError and change nothing -----------------------
 
     @rule(prefix=st.integers(0, len(PREFIXES) - 1), shared=st.integers(0, 3 * BS), tail=st.integers(1, 200),
@@ -180,6 +199,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def teardown(self):
         for rid in list(self.tokens):
             self.alloc.free(rid)
+        self.alloc.pop_state_copies()  # checkpoints held by pending copies become evictable
         self.alloc.check_invariants()
         assert self.alloc.num_free_rows == NUM_ROWS and self.alloc.num_requests == 0
 

@@ -78,3 +78,14 @@ class TestInterleaveSetting:
     def test_allocator_refuses_an_interleave_that_does_not_divide_its_block(self):
         with pytest.raises(ValueError, match="must divide block_size=128"):
             RowAllocator(4, 128, dcp=DcpSettings(2, 0, 3))
+
+
+@pytest.mark.parametrize("world, interleave", [(1, 1), (2, 1), (3, 2), (4, 64)])
+def test_global_position_inverts_local_position(world, interleave):
+    positions = torch.arange(5 * world * interleave + 3)
+    for rank in range(world):
+        dcp = DcpSettings(world, rank, interleave)
+        mine = positions[dcp.owns(positions)]
+        local = torch.arange(dcp.local_len(positions.numel()))
+        assert torch.equal(dcp.global_position(local), mine)
+        assert [dcp.global_position(int(q)) for q in local[:5]] == mine[:5].tolist()

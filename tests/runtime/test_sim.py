@@ -95,3 +95,13 @@ def test_paged_kda_model_counts_no_state_bytes_in_the_pool():
     (result,) = report.results
     assert 0 < result.utilisation <= 1
     assert result.state_row_utilisation == 0
+
+
+def test_checkpoints_skip_the_prefill_of_shared_prefixes(k31):
+    shared = Replay("packed", k31, SMALL).run()
+    assert 0 < shared.prefill_tokens_saved <= shared.hit_tokens
+    assert shared.checkpoints_saved > 0 and shared.checkpoint_rows_peak >= k31.state_rows_per_request
+    assert shared.checkpoint_bytes_peak == shared.checkpoint_rows_peak * k31.row_bytes
+    alone = Replay("packed", k31, Workload(num_requests=40, arrival_rate=8.0, prompt_len_median=3000,
+                                           output_len_median=20, shared_prefix_fraction=0.0, seed=2)).run()
+    assert alone.prefill_tokens_saved == 0  # unique prompts: checkpoints are saved but never restored

@@ -15,18 +15,22 @@ import sys
 
 from dsacache.bench.harness import NoDeviceError, copy_ceiling_gbps, machine_header, print_report, require_cuda
 from dsacache.bench.peers import load_peers
+from dsacache.cli.main import ArgumentParser
 
 #: suite name -> module under dsacache.bench
 SUITES = {
+    "dcp": "dsacache.bench.dcp",
+    "kda": "dsacache.bench.kda",
     "kcache": "dsacache.bench.k_cache",
     "logits": "dsacache.bench.logits",
+    "mla": "dsacache.bench.mla",
     "topk": "dsacache.bench.topk",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     """One subcommand per suite."""
-    parser = argparse.ArgumentParser(prog="dsacache bench", description=__doc__)
+    parser = ArgumentParser(prog="dsacache bench", description=__doc__)
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--peers", metavar="DIR",

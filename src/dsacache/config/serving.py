@@ -7,18 +7,21 @@ Option names follow vLLM's launch flags so a user can paste them. Every refusal 
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from dsacache.config.model import (
     BUILTIN_MODELS,
+    MAX_FIELD_VALUE,
     ConfigError,
     ModelSpec,
     builtin_config_dict,
+    check_int,
     load_config_dict,
     load_model,
+    parse_json_text,
+    show,
 )
 from dsacache.formats.key_format import INDEXER_KV_DTYPES, MXFP4_GROUP_SIZE, resolve_indexer_kv_dtype
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE, KV_CACHE_DTYPES, mla_entry_bytes
@@ -46,6 +49,12 @@ MXFP4_READERS = {
 }
 INDEXER_BACKENDS = tuple(MXFP4_READERS)
 
+#: Largest pool: byte offsets into it must fit an int64.
+MAX_CACHE_MEMORY_BYTES = 2**63 - 1
+#: Largest TP / PCP / DCP / reference TP size: far above any deployment, and it keeps every
+#: size the plan derives from it (``lcm(reference_tp, tp)``, the block size) small.
+MAX_PARALLEL_SIZE = 2**16
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -57,17 +66,12 @@ class SpeculativeConfig:
     draft: ModelSpec | None = None
 
     def __post_init__(self):
-        if self.method not in SPECULATIVE_METHODS:
-            raise ConfigError(
-                f"speculative_config.method={self.method!r}; allowed: {', '.join(SPECULATIVE_METHODS)}"
-            )
-        n = self.num_speculative_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {n!r}")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"speculative_config.kv_cache_dtype={self.kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}"
-            )
+        _check_choice(self.method, "speculative_config.method", SPECULATIVE_METHODS)
+        check_int(self.num_speculative_tokens, "speculative_config.num_speculative_tokens", 1, MAX_FIELD_VALUE)
+        if self.kv_cache_dtype is not None:
+            _check_choice(self.kv_cache_dtype, "speculative_config.kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.draft is not None and not isinstance(self.draft, ModelSpec):
+            raise ConfigError(f"speculative_config.draft must be a ModelSpec or None, got {show(self.draft)}")
 
     @property
     def has_mla_draft(self) -> bool:
@@ -121,13 +125,17 @@ def _mla_draft(raw: Any, name: str) -> ModelSpec | None:
 def _parse_json_option(value: str | Mapping[str, Any], option: str) -> dict:
     if isinstance(value, Mapping):
         return dict(value)
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{option}: malformed JSON ({exc.msg}): {value!r}") from None
+    if not isinstance(value, str):
+        raise ConfigError(f"{option}: expected a JSON object or its text, got {type(value).__name__}")
+    parsed = parse_json_text(value, option)
     if not isinstance(parsed, dict):
-        raise ConfigError(f"{option}: expected a JSON object, got {value!r}")
+        raise ConfigError(f"{option}: expected a JSON object, got {show(value)}")
     return parsed
+
+
+def _check_choice(value: Any, name: str, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(f"{name}={show(value)}; allowed: {', '.join(allowed)}")
 
 
 def parse_attention_config(value: str | Mapping[str, Any]) -> str:
@@ -137,11 +145,6 @@ def parse_attention_config(value: str | Mapping[str, Any]) -> str:
     if unknown:
         raise ConfigError(f"--attention-config: unknown keys {unknown}; allowed: indexer_kv_dtype")
     return raw.get("indexer_kv_dtype", "auto")
-
-
-def _positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -170,9 +173,17 @@ class CacheConfig:
     cp_kv_cache_interleave_size: int = 1
 
     def __post_init__(self):
+        if not isinstance(self.model, ModelSpec):
+            raise ConfigError(f"model must be a ModelSpec (CacheConfig.from_model takes a name or a path), "
+                              f"got {type(self.model).__name__} {show(self.model)}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative must be a SpeculativeConfig or None (SpeculativeConfig.from_json "
+                              f"parses one), got {type(self.speculative).__name__} {show(self.speculative)}")
         for name in ("tensor_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size",
-                     "reference_tp", "alignment", "cache_memory_bytes", "cp_kv_cache_interleave_size"):
-            _positive_int(getattr(self, name), name)
+                     "reference_tp", "cp_kv_cache_interleave_size"):
+            check_int(getattr(self, name), name, 1, MAX_PARALLEL_SIZE)
+        check_int(self.alignment, "alignment", 1, MAX_FIELD_VALUE)
+        check_int(self.cache_memory_bytes, "cache_memory_bytes", 1, MAX_CACHE_MEMORY_BYTES, " (int64 offsets)")
         self._check_choices()
         self._check_parallelism()
         if self.alignment % KERNEL_PAGE_SIZE:
@@ -191,22 +202,17 @@ class CacheConfig:
                 raise ConfigError(f"speculative_config draft ({draft.name}): {exc}") from None
 
     def _check_choices(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
-        if self.indexer_kv_dtype not in INDEXER_KV_DTYPES:
-            raise ConfigError(f"indexer_kv_dtype={self.indexer_kv_dtype!r}; allowed: {', '.join(INDEXER_KV_DTYPES)}")
-        if self.target_arch not in TARGET_ARCHS:
-            raise ConfigError(f"target_arch={self.target_arch!r}; allowed: {', '.join(TARGET_ARCHS)}")
-        if self.indexer_backend not in INDEXER_BACKENDS:
-            raise ConfigError(f"indexer_backend={self.indexer_backend!r}; allowed: {', '.join(INDEXER_BACKENDS)}")
+        _check_choice(self.kv_cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
+        _check_choice(self.indexer_kv_dtype, "indexer_kv_dtype", INDEXER_KV_DTYPES)
+        _check_choice(self.target_arch, "target_arch", TARGET_ARCHS)
+        _check_choice(self.indexer_backend, "indexer_backend", INDEXER_BACKENDS)
 
     def _check_parallelism(self) -> None:
         tp, kda = self.tensor_parallel_size, self.model.kda
         if kda is not None and kda.num_heads % tp:
-            allowed = [d for d in range(1, kda.num_heads + 1) if kda.num_heads % d == 0]
             raise ConfigError(
                 f"tensor_parallel_size={tp} does not divide the {kda.num_heads} KDA heads; "
-                f"allowed: {', '.join(map(str, allowed))}"
+                f"allowed: {_divisors_text(kda.num_heads)}"
             )
         heads = self.model.num_attention_heads
         if heads is not None and heads % tp:
@@ -274,10 +280,28 @@ class CacheConfig:
     @classmethod
     def from_model(cls, model: str | Path | ModelSpec, **options: Any) -> "CacheConfig":
         """From a built-in name (``kimi-k3.1``, ...), a ``config.json`` path/dir, or a ModelSpec."""
+        _check_options(options)
         spec = model if isinstance(model, ModelSpec) else load_model(model)
         return cls(model=spec, **options)
 
     @classmethod
     def from_config_dict(cls, raw: Mapping[str, Any], name: str = "config.json", **options: Any) -> "CacheConfig":
         """From an already-parsed HF ``config.json`` dict."""
+        _check_options(options)
+        if not isinstance(name, str):
+            raise ConfigError(f"name must be a string, got {type(name).__name__} {show(name)}")
         return cls(model=ModelSpec.from_dict(raw, name=name), **options)
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    """Serving options are :class:`CacheConfig` fields (other than ``model``)."""
+    allowed = [f.name for f in fields(CacheConfig) if f.name != "model"]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown CacheConfig options {unknown}; allowed: {', '.join(allowed)}")
+
+
+def _divisors_text(n: int) -> str:
+    """The TP sizes that divide ``n``: its divisors up to ``MAX_PARALLEL_SIZE`` (bounded work for any ``n``)."""
+    allowed = ", ".join(str(d) for d in range(1, min(n, MAX_PARALLEL_SIZE) + 1) if n % d == 0)
+    return allowed if n <= MAX_PARALLEL_SIZE else f"{allowed} (the divisors up to MAX_PARALLEL_SIZE={MAX_PARALLEL_SIZE})"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsacache.formats.sizes import DS_MLA_TILE, KV_CACHE_DTYPES, mla_entry_bytes
+from dsacache.formats.sizes import DS_MLA_TILE, KERNEL_PAGE_SIZE, KV_CACHE_DTYPES, mla_entry_bytes
 
 MLA_KINDS = ("bfloat16", "fp8", "fp8_ds_mla")
 DS_MLA_FP8_MAX = 448.0
@@ -128,6 +128,47 @@ class MlaEntryFormat:
         if self.kind == "bfloat16":
             return 2 * self.kv_lora_rank
         return self.kv_lora_rank
+
+
+def mla_pages_format(pages: torch.Tensor, kv_lora_rank: int, rope_dim: int,
+                     kv_cache_dtype: "str | MlaEntryFormat | None" = None) -> MlaEntryFormat:
+    """The entry kind of one layer's paged MLA view, after checking the view; ``ValueError`` otherwise.
+
+    ``pages`` is ``[num_pages, 64, entry_bytes]`` uint8 with strides ``(page_stride, entry_bytes, 1)``
+    (any page stride that does not overlap pages). Without ``kv_cache_dtype`` the kind is read off
+    the width (what the pool handed out); with it, the pages must match it. ``fp8_ds_mla`` pages
+    must be 4-byte aligned (fp32 scales) and ``bfloat16`` pages 2-byte aligned, address and stride.
+    """
+    if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 3 \
+            or pages.shape[1] != KERNEL_PAGE_SIZE:
+        raise ValueError(f"mla_pages must be a uint8 view [num_pages, {KERNEL_PAGE_SIZE}, entry_bytes], got "
+                         f"{tuple(getattr(pages, 'shape', ()))} {getattr(pages, 'dtype', type(pages).__name__)}")
+    fmt = MlaEntryFormat.of_entry(pages.shape[2], kv_lora_rank, rope_dim, kv_cache_dtype)
+    entry = fmt.entry_bytes
+    if pages.stride(1) != entry or pages.stride(2) != 1:
+        raise ValueError("each MLA page must be contiguous: strides (page_stride, entry_bytes, 1)")
+    if pages.shape[0] > 1 and pages.stride(0) < KERNEL_PAGE_SIZE * entry:
+        raise ValueError(f"page stride {pages.stride(0)} overlaps pages of {KERNEL_PAGE_SIZE * entry} B")
+    align = 4 if fmt.kind == "fp8_ds_mla" else 2 if fmt.kind == "bfloat16" else 1
+    if pages.data_ptr() % align or pages.stride(0) % align:
+        raise ValueError(f"{fmt.kind} MLA pages must be {align}-byte aligned (address and page stride)")
+    return fmt
+
+
+def check_k_scale(k_scale: object, fmt: MlaEntryFormat, read_value: bool) -> None:
+    """``k_scale`` is given exactly for ``fp8`` entries, as a one-element float32 tensor.
+
+    With ``read_value`` its value is also read on the host (a device sync for a CUDA tensor) and
+    must be positive and finite; callers under CUDA-graph capture pass ``False``.
+    """
+    if fmt.kind != "fp8":
+        if k_scale is not None:
+            raise ValueError(f"k_scale applies to kv_cache_dtype 'fp8' only; these pages are {fmt.kind}")
+        return
+    if not isinstance(k_scale, torch.Tensor) or k_scale.numel() != 1 or k_scale.dtype != torch.float32:
+        raise ValueError("kv_cache_dtype 'fp8' needs k_scale, a one-element float32 tensor (the per-tensor scale)")
+    if read_value and not 0 < float(k_scale) < float("inf"):
+        raise ValueError(f"k_scale must be positive and finite, got {float(k_scale)}")
 
 
 def _tiles(kind: str, kv_lora_rank: int) -> bool:

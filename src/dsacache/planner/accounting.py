@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dsacache.config.serving import CacheConfig
+from dsacache.config.model import check_int
+from dsacache.config.serving import CacheConfig, ConfigError
 from dsacache.formats.key_format import indexer_entry_bytes
 from dsacache.formats.sizes import mla_entry_bytes
 
@@ -41,14 +42,23 @@ class StateShape:
         return self.conv_bytes + self.recurrent_bytes
 
 
+def check_config(config: CacheConfig) -> None:
+    """Refuse anything but a :class:`CacheConfig` with a ConfigError naming the argument."""
+    if not isinstance(config, CacheConfig):
+        raise ConfigError(f"config must be a CacheConfig (CacheConfig.from_model builds one), "
+                          f"got {type(config).__name__}")
+
+
 def mla_bytes_per_token(config: CacheConfig) -> int:
     """One layer's MLA latent entry in the main ``kv_cache_dtype``."""
+    check_config(config)
     model = config.model
     return mla_entry_bytes(model.kv_lora_rank, model.qk_rope_head_dim, config.kv_cache_dtype)
 
 
 def index_bytes_per_token(config: CacheConfig) -> int:
     """One layer's indexer key entry (0 for a model without an indexer)."""
+    check_config(config)
     indexer = config.model.indexer
     if indexer is None:
         return 0
@@ -57,6 +67,7 @@ def index_bytes_per_token(config: CacheConfig) -> int:
 
 def draft_entry_bytes(config: CacheConfig) -> int:
     """One draft layer's MLA entry, or 0 when the draft keeps no MLA pages in the row."""
+    check_config(config)
     spec = config.speculative
     if spec is None or not spec.has_mla_draft:
         return 0
@@ -81,10 +92,13 @@ def row_bytes_per_token(config: CacheConfig) -> int:
 
 def kda_state_shape(config: CacheConfig, tp: int | None = None) -> StateShape | None:
     """Per-layer, per-rank KDA state at ``tp`` (default: the serving TP); None without KDA."""
+    check_config(config)
     kda = config.model.kda
     if kda is None:
         return None
-    tp = tp or config.tensor_parallel_size
+    tp = config.tensor_parallel_size if tp is None else check_int(tp, "tp", 1)
+    if kda.num_heads % tp:
+        raise ConfigError(f"tp={tp} does not divide the {kda.num_heads} KDA heads")
     conv_rows = kda.conv_kernel_size - 1 + config.num_speculative_tokens
     conv_dim = 3 * kda.num_heads * kda.head_dim // tp
     return StateShape((conv_rows, conv_dim), (kda.num_heads // tp, kda.head_dim, kda.head_dim))
@@ -98,5 +112,7 @@ def state_bytes(config: CacheConfig, tp: int | None = None) -> int:
 
 def states_per_row(num_dsa_layers: int, num_kda_layers: int) -> int:
     """``ceil(S / ceil(S / D))``: balanced groups of at most D states in a row."""
+    check_int(num_dsa_layers, "num_dsa_layers", 1)
+    check_int(num_kda_layers, "num_kda_layers", 0)
     groups = math.ceil(num_kda_layers / num_dsa_layers)
     return math.ceil(num_kda_layers / groups)

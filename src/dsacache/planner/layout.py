@@ -13,7 +13,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from dsacache.config.serving import CacheConfig, ConfigError
+from dsacache.config.model import check_int
+from dsacache.config.serving import MAX_CACHE_MEMORY_BYTES, CacheConfig, ConfigError
 from dsacache.formats.key_format import IndexerKeyFormat
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.planner import accounting as acc
@@ -103,9 +104,17 @@ class CacheLayout:
         return self.num_rows * self.pages_per_row
 
     @property
+    def guard_rows(self) -> int:
+        """Rows the pool allocates in front of row 0 and hands to no request: 1 when the layout holds
+        KDA states (a state index of ``-1`` then addresses this guard row in every per-layer state
+        view, so state kernels without a padding check, such as fla-core's, write padded batch
+        entries there), else 0. Counted in :attr:`pool_bytes` and in the rows the budget gives."""
+        return 1 if self.state_rows_per_request else 0
+
+    @property
     def pool_bytes(self) -> int:
-        """Bytes of the whole pool (one allocation per GPU)."""
-        return self.num_rows * self.row_bytes
+        """Bytes of the whole pool (one allocation per GPU): ``num_rows`` rows plus the guard rows."""
+        return (self.num_rows + self.guard_rows) * self.row_bytes
 
     @property
     def token_capacity(self) -> int:
@@ -163,12 +172,18 @@ class CacheLayout:
 
     def with_block_size(self, block_size: int) -> "CacheLayout":
         """The same pool bytes cut into rows of another block size (e.g. :attr:`pow2_block_size`)."""
+        check_int(block_size, "block_size", self.kernel_page_size)
         if block_size % self.kernel_page_size:
             raise ConfigError(f"block_size={block_size} must be a multiple of {self.kernel_page_size}")
-        if block_size * self.row_bytes_per_token < self.states_per_row * self.state_bytes:
+        row_bytes = block_size * self.row_bytes_per_token
+        if row_bytes < self.states_per_row * self.state_bytes:
             raise ConfigError(f"block_size={block_size} rows cannot hold {self.states_per_row} KDA states")
         _check_interleave(self.config, block_size)
-        num_rows = self.pool_bytes // (block_size * self.row_bytes_per_token)
+        num_rows = self.pool_bytes // row_bytes - self.guard_rows
+        if num_rows < 1:
+            raise ConfigError(f"the pool of {self.pool_bytes:,} B holds no row of block_size={block_size} "
+                              f"({row_bytes:,} B) beside its guard row; raise cache_memory_bytes "
+                              "(--kv-cache-memory-bytes)")
         return dataclasses.replace(self, block_size=block_size, num_rows=num_rows)
 
 
@@ -205,6 +220,9 @@ def packed_block_size(config: CacheConfig, row_bytes_per_token: int, states_per_
     computed at the reference TP (where the state is smallest) and the block scaled by
     ``reference_tp / tp``, so block sizes at TP sizes dividing the reference divide each other.
     """
+    acc.check_config(config)
+    check_int(row_bytes_per_token, "row_bytes_per_token", 1)
+    check_int(states_per_row, "states_per_row", 1)
     tp, align = config.tensor_parallel_size, config.alignment
     reference_tp = math.lcm(config.reference_tp, tp)
     need = states_per_row * acc.state_bytes(config) * tp
@@ -213,11 +231,12 @@ def packed_block_size(config: CacheConfig, row_bytes_per_token: int, states_per_
 
 
 def pow2_block_size(row_bytes_per_token: int, states_bytes: int, page: int = KERNEL_PAGE_SIZE) -> int:
-    """The smallest power-of-two block (>= one kernel page) whose row holds ``states_bytes``."""
-    block = page
-    while block * row_bytes_per_token < states_bytes:
-        block *= 2
-    return block
+    """The smallest ``page x 2**k`` block whose row holds ``states_bytes`` (closed form, no loop)."""
+    check_int(row_bytes_per_token, "row_bytes_per_token", 1)
+    check_int(states_bytes, "states_bytes", 0)
+    check_int(page, "page", 1)
+    pages = -(-states_bytes // (page * row_bytes_per_token))
+    return page << max(pages - 1, 0).bit_length()
 
 
 def _attention_slots(config: CacheConfig, mla: int, index: int) -> tuple[AttentionSlot, ...]:
@@ -246,7 +265,13 @@ def plan(config: CacheConfig, num_rows: int | None = None) -> CacheLayout:
     >>> layout = plan(CacheConfig.from_model("kimi-k3.1"))
     >>> layout.block_size, layout.row_bytes_per_token, layout.states_per_row
     (1024, 18912, 23)
+
+    Raises :class:`ConfigError` if ``config`` is not a CacheConfig, ``num_rows`` is not an
+    integer >= 1, the budget holds no row, or the pool would pass ``MAX_CACHE_MEMORY_BYTES``.
     """
+    acc.check_config(config)
+    if num_rows is not None:
+        check_int(num_rows, "num_rows", 1)
     model = config.model
     mla, index = acc.mla_bytes_per_token(config), acc.index_bytes_per_token(config)
     draft = acc.draft_bytes_per_token(config)
@@ -265,12 +290,27 @@ def plan(config: CacheConfig, num_rows: int | None = None) -> CacheLayout:
     if state is not None and state.recurrent_offset % 4 or (state and state.nbytes % 4):
         raise ConfigError(f"KDA state of {state.nbytes} B is not 4-byte aligned; fp32 recurrent states need it")
     _check_interleave(config, block)
-    rows = config.cache_memory_bytes // (block * per_token) if num_rows is None else num_rows
-    if rows < 0:
-        raise ConfigError(f"num_rows must be >= 0, got {rows}")
+    guard = 1 if kda_slots else 0  # CacheLayout.guard_rows
+    rows = _num_rows(config, block * per_token, block, per_token, guard) if num_rows is None else num_rows
+    if (rows + guard) * block * per_token > MAX_CACHE_MEMORY_BYTES:
+        raise ConfigError(f"num_rows={rows:,} rows of {block * per_token:,} B (and {guard} guard row) pass the "
+                          f"{MAX_CACHE_MEMORY_BYTES:,} B pool limit (int64 offsets)")
     return CacheLayout(
         config=config, kind=kind, block_size=block, reference_tp=reference_tp,
         row_bytes_per_token=per_token, mla_bytes_per_token=mla, index_bytes_per_token=index,
         draft_bytes_per_token=draft, state=state, states_per_row=per_row, num_rows=rows,
         dsa_layers=attention, draft_layers=drafts, kda_layers=kda_slots, pow2_block_size=pow2,
     )
+
+
+def _num_rows(config: CacheConfig, row_bytes: int, block: int, per_token: int, guard: int) -> int:
+    """Rows the budget holds after ``guard`` guard rows; a budget under one row is refused, naming it and
+    the row size."""
+    rows = config.cache_memory_bytes // row_bytes - guard
+    if rows < 1:
+        raise ConfigError(
+            f"cache_memory_bytes={config.cache_memory_bytes:,} B (--kv-cache-memory-bytes) holds no row: one row "
+            f"is {row_bytes:,} B ({block} tokens x {per_token:,} B/token){' plus the guard row' if guard else ''}; "
+            f"give at least {(1 + guard) * row_bytes:,} B"
+        )
+    return rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from dsacache.config.model import show
 from dsacache.config.serving import MLA_DRAFT_METHODS, MXFP4_READERS, ConfigError
 from dsacache.planner.layout import CacheLayout
 
@@ -56,16 +57,16 @@ def _capacity(layout: CacheLayout, context_length: int) -> dict:
 
 def summarize(layout: CacheLayout, context_length: int) -> dict:
     """Everything ``dsacache plan --json`` prints for one TP size."""
-    if context_length < 1:
-        raise ConfigError(f"context_length must be >= 1, got {context_length}")
+    if not isinstance(layout, CacheLayout):
+        raise ConfigError(f"layout must be a CacheLayout (plan() builds one), got {type(layout).__name__}")
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+        raise ConfigError(f"context_length must be >= 1, got {show(context_length)}")
     config, packed = layout.config, layout.is_packed
+    if context_length > layout.token_capacity:  # checked first: the sizes below grow with context_length
+        _cannot_hold(layout, context_length, f"the pool holds {layout.token_capacity:,} tokens")
     fits = max_concurrent_requests(layout, context_length)
     if fits < 1:
-        raise ConfigError(
-            f"the cache budget of {config.cache_memory_bytes:,} B cannot hold one request of "
-            f"{context_length} tokens (it needs {request_bytes(layout, context_length):,} B); "
-            "raise --kv-cache-memory-bytes or lower --context-length"
-        )
+        _cannot_hold(layout, context_length, f"it needs {request_bytes(layout, context_length):,} B")
     out = {
         "model": config.model.name,
         "kind": layout.kind,
@@ -110,6 +111,13 @@ def summarize(layout: CacheLayout, context_length: int) -> dict:
     return out
 
 
+def _cannot_hold(layout: CacheLayout, context_length: int, why: str) -> None:
+    raise ConfigError(
+        f"the cache budget of {layout.config.cache_memory_bytes:,} B cannot hold one request of "
+        f"{context_length} tokens ({why}); raise --kv-cache-memory-bytes or lower --context-length"
+    )
+
+
 def _notes(layout: CacheLayout) -> list[str]:
     """Settings the user may not expect to have no effect."""
     config, notes = layout.config, []
@@ -146,8 +154,9 @@ def exchange_table(layouts: list[CacheLayout]) -> list[dict]:
     return rows
 
 
-def _gb(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB"
+def gib(nbytes: int) -> str:
+    """Bytes in binary units, as ``dsacache simulate`` prints them too (``"45.96 GiB"``)."""
+    return f"{nbytes / 2**30:.2f} GiB"
 
 
 def _kib(nbytes: int) -> str:
@@ -187,11 +196,11 @@ def _packed_lines(s: dict) -> list[str]:
         "",
         "Packed block row",
         f"  block size {s['block_size']} tokens = {s['pages_per_row']} kernel pages of {s['kernel_page_size']}",
-        f"  row {s['row_bytes'] / 1e6:.2f} MB, page stride {s['page_stride_bytes']:,} B",
+        f"  row {s['row_bytes'] / 2**20:.2f} MiB, page stride {s['page_stride_bytes']:,} B",
         "",
         *_sub_row_lines(s),
         "",
-        f"Capacity (budget {_gb(s['cache_memory_bytes'])} per GPU)",
+        f"Capacity (budget {gib(s['cache_memory_bytes'])} = {s['cache_memory_bytes']:,} B per GPU)",
         f"  rows {s['num_rows']:,}, token capacity {s['token_capacity']:,}",
         f"  requests of {s['context_length']:,} tokens at once: {s['max_concurrent_requests']:,} "
         f"({s['state_rows_per_request']} state rows + "
@@ -237,7 +246,7 @@ def _paged_lines(s: dict) -> list[str]:
         "Paged layout (not a KDA-hybrid DSA model: no packed block size)",
         f"  rows are {s['kernel_page_size']}-token pages of {s['page_stride_bytes']:,} B (every attention layer)",
         "",
-        f"Capacity (budget {_gb(s['cache_memory_bytes'])} per GPU)",
+        f"Capacity (budget {gib(s['cache_memory_bytes'])} = {s['cache_memory_bytes']:,} B per GPU)",
         f"  pages {s['num_rows']:,}, token capacity {s['token_capacity']:,}",
         f"  requests of {s['context_length']:,} tokens at once: {s['max_concurrent_requests']:,}"
         + (" (KDA states kept beside the pages)" if s["num_kda_layers"] else ""),

@@ -11,13 +11,39 @@ Every row is in exactly one of three places: the free list, in use (reference co
 until its row is needed). Adding or extending a request either gets all the rows it
 needs or raises ``OutOfRowsError`` and changes nothing.
 
-Prefix reuse covers attention rows only. A request whose prompt starts with cached
-full blocks shares those rows (reference counted) and starts with fresh state rows:
-a KDA state is valid only at the position it was computed to and no snapshots are
-kept, so the engine must still run the prefix through the model to rebuild the
-states. A hit therefore saves memory (and the key writes), not prefill compute.
-At most ``(len(prompt) - 1) // tokens_per_row`` blocks are shared, so the last prompt
-token is always computed and a request never writes into a shared row.
+Prefix reuse shares attention rows, and KDA states through checkpoints. A request whose
+prompt starts with cached full blocks shares those rows (reference counted) and gets its
+own state rows. At most ``(len(prompt) - 1) // tokens_per_row`` blocks are shared, so the
+last prompt token is always computed and a request never writes into a shared row.
+
+A KDA state sums up the whole prefix before it, so sharing blocks alone saves memory and
+key writes but no prefill: the engine would still run every cached token through the KDA
+layers. A *checkpoint* is a copy of a request's state rows (every KDA layer's conv and
+recurrent state) taken when its prefill stands exactly at the end of a block; it lives in
+``state_rows_per_request`` rows owned by the prefix cache, named by that block's hash,
+parked (evictable, LRU with the cached blocks) whenever no copy to or from it is pending,
+and counted in the pool's rows like any other; while two or more requests share the block it
+ends it is kept out of eviction. A new request whose shared blocks reach a
+checkpoint gets its states copied from it and skips the prefill of every token before it
+(:meth:`RowAllocator.restored_tokens`): attention blocks and indexer keys are reused, the
+KDA states restored. The deepest checkpoint among the shared blocks is used.
+
+Policy (:meth:`RowAllocator.checkpoint_positions`): a prompt asks for a checkpoint at two
+block boundaries at most, each only if that block has none yet:
+
+* the end of its shared prefix (its deepest cached full block): another prompt is known to
+  have diverged there (a system prompt, a few-shot header), so the next prompt with that
+  prefix restores from it;
+* its last full block ``(len(prompt) - 1) // tokens_per_row``: the continuation of the same
+  conversation (the next turn's prompt starts with this one) restores from there.
+
+Checkpoints elsewhere would cost ``state_rows_per_request`` rows each (at K3.1 TP 8 as much
+as three 1024-token blocks) for prefixes no other prompt is known to share. The engine ends
+a prefill chunk at each position and calls :meth:`RowAllocator.save_checkpoint`; the copies
+(saves and restores, in order) are handed out by :meth:`RowAllocator.pop_state_copies`, to
+be applied (:meth:`CachePool.copy_state_rows`) before the next step's layers run. A
+checkpoint is taken only if rows are free, and restored only if its rows can be held until
+the copy; otherwise the request runs its prefill as before.
 """
 
 from __future__ import annotations
@@ -93,6 +119,18 @@ class _Request:
     last_hash: BlockHash | None = None
     # Token ids of the unfinished block; None once ids stop being known (no more hashing).
     pending: array | None = field(default_factory=lambda: array("q"))
+    hashes: list[BlockHash] = field(default_factory=list)  # chain hash of each full block
+    num_restored_tokens: int = 0
+    checkpoints: list[int] = field(default_factory=list)  # positions still to save
+
+
+@dataclass
+class _Copy:
+    """Pending state-row copies: a save (request -> checkpoint) or a restore (checkpoint -> request);
+    the checkpoint is held (not evictable) until they are handed out."""
+
+    block_hash: BlockHash
+    pairs: list[tuple[int, int]]
 
 
 @dataclass
@@ -101,6 +139,8 @@ class PrefixStats:
 
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    restored_tokens: int = 0  # prompt tokens whose prefill a restored checkpoint skipped
+    checkpoints_saved: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -159,6 +199,7 @@ class RowAllocator:
         self._free: list[int] = list(range(self.num_rows - 1, -1, -1))
         self._refs = [0] * self.num_rows
         self._requests: dict[RequestId, _Request] = {}
+        self._copies: list[_Copy] = []
 
     @classmethod
     def from_layout(cls, layout, *, num_rows: int | None = None, **kwargs) -> RowAllocator:
@@ -192,6 +233,11 @@ class RowAllocator:
     def num_requests(self) -> int:
         """Live requests."""
         return len(self._requests)
+
+    @property
+    def num_checkpoint_rows(self) -> int:
+        """Rows holding KDA state checkpoints (parked, or held by a pending copy)."""
+        return self.prefix.num_checkpoint_rows if self.prefix else 0
 
     def _num_parked(self) -> int:
         return self.prefix.num_parked if self.prefix else 0
@@ -230,14 +276,24 @@ class RowAllocator:
             raise OutOfRowsError(
                 f"request {request_id!r} needs {needed} new rows, {self._rows_available(hits)} are free"
             )
-        # Hits leave the parked set before any new row is taken, so none of them is evicted.
+        restore = self._restorable(hits, needed)
+        # Hits (and the checkpoint) leave the parked set before any new row is taken, so none is evicted.
         request = _Request(state_rows=[])
         self._share_hits(request, hits)
+        if restore is not None:
+            self._pin(restore[1])
         request.state_rows = self._take_rows(self.state_rows_per_request)
         self._requests[request_id] = request
         self._grow(request, num_tokens - request.num_tokens, self._tail(token_ids, request.num_tokens))
+        if restore is not None:
+            blocks, block_hash = restore
+            rows = self.prefix.checkpoint(block_hash)
+            self._copies.append(_Copy(block_hash, list(zip(rows, request.state_rows))))
+            request.num_restored_tokens = blocks * self.tokens_per_row
+        request.checkpoints = self._positions(request, num_tokens, len(hits))
         self.stats.prompt_tokens += num_tokens
         self.stats.hit_tokens += request.num_cached_tokens
+        self.stats.restored_tokens += request.num_restored_tokens
         return request.num_cached_tokens
 
     def can_extend(self, request_id: RequestId, num_new_tokens: int) -> bool:
@@ -274,11 +330,55 @@ class RowAllocator:
         The tail block is released first so that, among one request's parked blocks, the
         deepest ones are evicted first and the shared prefix stays longest.
         """
+        # Pending copies stay: no layer writes a row before they are applied, so a freed
+        # request's rows still hold what a save reads, and later copies run after earlier ones.
         request = self._requests.pop(self._check_known(request_id))
         for row in reversed(request.rows):
             self._release(row)
         for row in request.state_rows:
             self._release(row)
+
+    # KDA state checkpoints -----------------------------------------------------------
+
+    def restored_tokens(self, request_id: RequestId) -> int:
+        """Leading prompt tokens whose prefill is skipped: its states come from a checkpoint
+        (0 without one). Always a multiple of ``tokens_per_row`` and ``<=`` the cached tokens."""
+        return self._get(request_id).num_restored_tokens
+
+    def checkpoint_positions(self, request_id: RequestId) -> list[int]:
+        """Token positions (block boundaries, ascending) at which the request's prefill should stop
+        and :meth:`save_checkpoint`; see the module docstring for the policy."""
+        return list(self._get(request_id).checkpoints)
+
+    def save_checkpoint(self, request_id: RequestId, num_computed_tokens: int) -> bool:
+        """Keep a copy of the request's states, computed up to ``num_computed_tokens``, one of its
+        :meth:`checkpoint_positions`. Takes ``state_rows_per_request`` rows for the prefix cache and
+        queues the copy (:meth:`pop_state_copies`); False (nothing changes but the position is
+        dropped) when the block got a checkpoint meanwhile or the rows are not free."""
+        request = self._get(request_id)
+        position = int_arg(num_computed_tokens, "num_computed_tokens")
+        if position not in request.checkpoints:
+            raise ValueError(f"num_computed_tokens={position} is not one of the request's checkpoint positions "
+                             f"{request.checkpoints}")
+        request.checkpoints.remove(position)
+        block_hash = request.hashes[position // self.tokens_per_row - 1]
+        if self.prefix.checkpoint(block_hash) is not None or self.num_free_rows < self.state_rows_per_request:
+            return False
+        rows = self._take_rows(self.state_rows_per_request)
+        self.prefix.add_checkpoint(block_hash, rows)
+        self._copies.append(_Copy(block_hash, list(zip(request.state_rows, rows))))
+        self.stats.checkpoints_saved += 1
+        return True
+
+    def pop_state_copies(self) -> list[tuple[int, int]]:
+        """The pending ``(source row, destination row)`` copies, in the order they must run, once:
+        apply them (:meth:`CachePool.copy_state_rows`) before the next step's layers run. The
+        checkpoints they read or write become evictable again."""
+        pairs = [pair for copy in self._copies for pair in copy.pairs]
+        for copy in self._copies:
+            self._unpin(copy.block_hash)
+        self._copies = []
+        return pairs
 
     # Queries -------------------------------------------------------------------------
 
@@ -331,8 +431,14 @@ class RowAllocator:
         for request in self._requests.values():
             for row in request.rows + request.state_rows:
                 owners[row] += 1
+        for copy in self._copies:
+            for row in self.prefix.checkpoint(copy.block_hash):
+                owners[row] += 1
         parked = self.prefix.parked_rows() if self.prefix else []
-        places = sorted(self._free + parked + [r for r in range(self.num_rows) if owners[r]])
+        # A checkpoint whose block a request holds is neither parked nor owned by a request.
+        held = [r for r in range(self.num_rows) if self.prefix and self.prefix.is_checkpoint_row(r)
+                and not owners[r] and not self.prefix.is_parked(r)]
+        places = sorted(self._free + parked + held + [r for r in range(self.num_rows) if owners[r]])
         if places != list(range(self.num_rows)):
             raise AssertionError("a row is lost or in two places")
         if owners != self._refs:
@@ -380,11 +486,74 @@ class RowAllocator:
         return self.state_rows_per_request + self.rows_for_tokens(num_tokens) - len(hits)
 
     def _rows_available(self, hits: list[int]) -> int:
-        """Free rows once the hit rows, if parked, are taken out of the evictable set."""
-        return self.num_free_rows - sum(1 for row in hits if self.prefix.is_parked(row))
+        """Free rows once the hit rows, if parked, are taken out of the evictable set, and with them
+        the parked checkpoints of hit blocks that another request already holds (sharing them holds
+        the checkpoint: :meth:`_settle`)."""
+        taken = 0
+        for row in hits:
+            if self.prefix.is_parked(row):
+                taken += 1
+            elif self._checkpoint_parked(self.prefix.hash_of(row)):
+                taken += self.state_rows_per_request
+        return self.num_free_rows - taken
+
+    def _checkpoint_parked(self, block_hash: BlockHash) -> bool:
+        rows = self.prefix.checkpoint(block_hash)
+        return rows is not None and self.prefix.is_parked(rows[0])
 
     def _rows_to_grow(self, request: _Request, num_new_tokens: int) -> int:
         return self.rows_for_tokens(request.num_tokens + num_new_tokens) - len(request.rows)
+
+    def _restorable(self, hits: list[int], needed: int) -> tuple[int, BlockHash] | None:
+        """(blocks, hash) of the deepest checkpoint among the hits, if its rows can be held as well."""
+        for blocks in range(len(hits), 0, -1):
+            block_hash = self.prefix.hash_of(hits[blocks - 1])
+            rows = self.prefix.checkpoint(block_hash)
+            if rows is None:
+                continue
+            # Held once shared if another request holds the block (counted in _rows_available already).
+            extra = self.state_rows_per_request if self.prefix.is_parked(hits[blocks - 1]) \
+                and self.prefix.is_parked(rows[0]) else 0
+            return (blocks, block_hash) if needed <= self._rows_available(hits) - extra else None
+        return None
+
+    def _positions(self, request: _Request, num_tokens: int, num_hits: int) -> list[int]:
+        """The checkpoint policy of the module docstring, for a request just added."""
+        if not self.state_rows_per_request or self.prefix is None:
+            return []
+        size, out = self.tokens_per_row, []
+        for blocks in (num_hits, (num_tokens - 1) // size if num_tokens else 0):
+            position = blocks * size
+            if (blocks and blocks <= len(request.hashes) and position > request.num_restored_tokens
+                    and position not in out and self.prefix.checkpoint(request.hashes[blocks - 1]) is None):
+                out.append(position)
+        return sorted(out)
+
+    def _pin(self, block_hash: BlockHash) -> None:
+        rows = self.prefix.checkpoint(block_hash)
+        if self.prefix.is_parked(rows[0]):
+            self.prefix.unpark_checkpoint(block_hash)
+        for row in rows:
+            self._refs[row] += 1
+
+    def _unpin(self, block_hash: BlockHash) -> None:
+        for row in self.prefix.checkpoint(block_hash):  # held, so never evicted meanwhile
+            self._refs[row] -= 1
+        self._settle(block_hash)
+
+    def _settle(self, block_hash: BlockHash) -> None:
+        """Park a checkpoint exactly when no copy holds it and fewer than two requests share the block
+        it ends (a prefix in active use by several requests keeps its checkpoint out of eviction)."""
+        rows = self.prefix.checkpoint(block_hash)
+        if rows is None:
+            return
+        block = self.prefix.lookup(block_hash)
+        held = self._refs[rows[0]] > 0 or (block is not None and self._refs[block] > 1)
+        parked = self.prefix.is_parked(rows[0])
+        if held and parked:
+            self.prefix.unpark_checkpoint(block_hash)
+        elif not held and not parked:
+            self.prefix.park_checkpoint(block_hash)
 
     def _share_hits(self, request: _Request, hits: list[int]) -> None:
         for row in hits:
@@ -392,24 +561,32 @@ class RowAllocator:
                 self.prefix.unpark(row)
             self._refs[row] += 1
             request.rows.append(row)
+            request.hashes.append(self.prefix.hash_of(row))
+            self._settle(request.hashes[-1])
         request.num_tokens = request.num_cached_tokens = len(hits) * self.tokens_per_row
         if hits:
             request.last_hash = self.prefix.hash_of(hits[-1])
 
     def _take_rows(self, n: int) -> list[int]:
-        rows = [self._free.pop() if self._free else self.prefix.evict() for _ in range(n)]
+        rows = []
+        while len(rows) < n:
+            if not self._free:
+                self._free.extend(reversed(self.prefix.evict()))
+            rows.append(self._free.pop())
         for row in rows:
             self._refs[row] = 1
         return rows
 
     def _release(self, row: int) -> None:
         self._refs[row] -= 1
-        if self._refs[row]:
-            return
-        if self.prefix is not None and self.prefix.is_named(row):
-            self.prefix.park(row)
-        else:
-            self._free.append(row)
+        named = self.prefix is not None and self.prefix.is_named(row)
+        if not self._refs[row]:
+            if named:
+                self.prefix.park(row)
+            else:
+                self._free.append(row)
+        if named:
+            self._settle(self.prefix.hash_of(row))
 
     def _grow(self, request: _Request, num_new_tokens: int, token_ids: Sequence[int] | None) -> None:
         """Take the rows, then record the tokens (hashing every block they complete)."""
@@ -423,5 +600,7 @@ class RowAllocator:
         while len(request.pending) >= size:
             block, request.pending = request.pending[:size], request.pending[size:]
             request.last_hash = hash_block(request.last_hash, block)
+            request.hashes.append(request.last_hash)
             index = request.num_tokens - len(request.pending) - size
-            self.prefix.insert(request.last_hash, request.rows[index // size])
+            if self.prefix.insert(request.last_hash, request.rows[index // size]):
+                self._settle(request.last_hash)

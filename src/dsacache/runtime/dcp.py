@@ -1,7 +1,8 @@
 """Decode context parallelism (DCP): which rank stores a token, and where.
 
 Position ``p`` belongs to rank ``(p // interleave) % world_size``; on that rank it sits at
-the local position ``(p // (interleave * world_size)) * interleave + p % interleave``.
+the local position ``(p // (interleave * world_size)) * interleave + p % interleave``
+(and back: :meth:`DcpSettings.global_position`).
 Every rank keeps its own pool and a block table over its local positions. The formula is
 defined once here, for ints and integer tensors alike; the Triton slot-mapping kernel
 has its one ``@triton.jit`` copy (``slot_mapping_triton._dcp_local``).
@@ -34,6 +35,8 @@ class DcpSettings:
     >>> dcp = DcpSettings(world_size=2, rank=1)
     >>> [dcp.owner(p) for p in range(4)], dcp.local_position(3), dcp.local_len(5)
     ([0, 1, 0, 1], 1, 2)
+    >>> dcp.global_position(1)
+    3
     """
 
     world_size: int = 1
@@ -68,6 +71,11 @@ class DcpSettings:
     def local_position(self, position: Positions) -> Positions:
         """The token's position in its owner's local sequence."""
         return (position // self.cycle) * self.interleave + position % self.interleave
+
+    def global_position(self, local: Positions) -> Positions:
+        """The inverse of :meth:`local_position` on this rank: the global position of this rank's
+        ``local``-th token (an int, or elementwise over a tensor of non-negative local positions)."""
+        return (local // self.interleave) * self.cycle + self.rank * self.interleave + local % self.interleave
 
     def local_len(self, seq_len: Positions) -> Positions:
         """How many of the positions ``[0, seq_len)`` this rank stores. Over an int32 tensor of

@@ -8,6 +8,14 @@ paged view ``[num_kernel_pages, 64, entry]`` with ``stride(0) = page_stride_byte
 shape DeepGEMM- and FlashMLA-style paged kernels take. A state row instead holds
 ``states_per_row`` KDA states back to back from its first byte (conv state, then the
 recurrent state).
+
+For a layout with KDA states the allocation starts with one guard row
+(``layout.guard_rows``) in front of row 0: :attr:`CachePool.buffer` is the ``num_rows``
+rows after it. Every per-layer state view (:meth:`CachePool.kda_state_views`) has
+``stride(0)`` of one row, so a state index of ``-1`` lands in the guard row. Kernels that
+write states through indices and have no padding check (fla-core's recurrent decode) thus
+write padded batch entries there, never into a request's state; no request owns it and
+nothing reads it.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ class CachePool:
         if layout.num_rows < 1:
             raise ValueError(f"layout.num_rows={layout.num_rows}: the pool needs at least one row")
         self.layout = layout
-        self.buffer = torch.empty(layout.num_rows * layout.row_bytes, dtype=torch.uint8, device=device)
+        guard = layout.guard_rows * layout.row_bytes
+        self._allocation = torch.empty(guard + layout.num_rows * layout.row_bytes, dtype=torch.uint8, device=device)
+        self.buffer = self._allocation[guard:]
         self.allocator = allocator if allocator is not None else RowAllocator.from_layout(layout)
         if self.allocator.num_rows > layout.num_rows or self.allocator.block_size != layout.block_size:
             raise ValueError("the allocator's rows or block size do not match the layout")
@@ -104,15 +114,7 @@ class CachePool:
     def state_tensors_at(self, state_rows: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Like :meth:`state_tensors`, for an explicit list of a request's state rows."""
         state_rows = int_list(state_rows, "state_rows")
-        if not is_int(layer) or layer not in self._kda:
-            kda = self.layout.config.model.kda
-            if kda is not None and is_int(layer) and layer in kda.layers:
-                raise NotImplementedError(
-                    f"layer {layer} is a KDA layer of a {self.layout.kind} layout: only the packed layout "
-                    "(KDA-hybrid DSA models) holds KDA states in the pool"
-                )
-            raise ValueError(f"layer {layer} is not a KDA layer; KDA layers: {sorted(self._kda)}")
-        slot, state = self._kda[layer], self.layout.state
+        slot, state = self._kda_slot(layer), self.layout.state
         if len(state_rows) != self.layout.state_rows_per_request:
             raise ValueError(
                 f"{len(state_rows)} state rows given; a request owns {self.layout.state_rows_per_request}"
@@ -122,6 +124,74 @@ class CachePool:
         conv = self._typed(start, state.conv_bytes, torch.bfloat16, state.conv_shape)
         recurrent = self._typed(start + state.conv_bytes, state.recurrent_bytes, torch.float32, state.recurrent_shape)
         return conv, recurrent
+
+    def kda_state_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states of KDA layer ``layer`` in every row, as two strided views over the pool.
+
+        Returns:
+            conv: bf16 ``[num_rows, conv_kernel - 1 + num_speculative_tokens, conv_dim]``,
+                ``stride = (row_bytes / 2, conv_dim, 1)``.
+            recurrent: fp32 ``[num_rows, H / tp, K, V]`` (K first, fla-core's default layout),
+                ``stride = (row_bytes / 4, K x V, V, 1)``.
+
+        Index both with a request's state row for this layer: row
+        ``state_rows[slot.state_row]`` where ``slot`` is the layer's ``StateSlot``
+        (:meth:`kda_state_row_index`; the step metadata holds these per request). Entries of
+        rows that are not a request's state row for this layer are other bytes of the pool;
+        index ``-1`` is the guard row (see the module docstring).
+        """
+        slot, state = self._kda_slot(layer), self.layout.state
+        row_bytes = self.layout.row_bytes
+        conv_rows, conv_dim = state.conv_shape
+        heads, k, v = state.recurrent_shape
+        conv = self._typed_rows(slot.offset, torch.bfloat16, (conv_rows, conv_dim), row_bytes)
+        recurrent = self._typed_rows(slot.offset + state.conv_bytes, torch.float32, (heads, k, v), row_bytes)
+        return conv, recurrent
+
+    def copy_state_rows(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the KDA states of row ``src`` over those of row ``dst`` for each pair, in order
+        (the allocator's :meth:`RowAllocator.pop_state_copies`: checkpoint saves and restores).
+
+        Only the state bytes of a row are copied (``states_per_row x state_bytes``). Every
+        pair is checked first; then one device copy a pair, no host sync.
+        """
+        num_rows = self.layout.num_rows
+        for i, pair in enumerate(copies):
+            if (not isinstance(pair, tuple) or len(pair) != 2 or not all(is_int(r) and 0 <= r < num_rows for r in pair)
+                    or pair[0] == pair[1]):
+                raise ValueError(f"copies[{i}] must be a (src, dst) pair of two different rows in [0, {num_rows}), "
+                                 f"got {pair!r}")
+        nbytes = self.layout.states_per_row * self.layout.state_bytes
+        for src, dst in copies:
+            self.row(dst)[:nbytes].copy_(self.row(src)[:nbytes])
+
+    def kda_state_row_index(self, layer: int) -> int:
+        """Which of a request's state rows holds KDA layer ``layer`` (0-based among its state rows)."""
+        return self._kda_slot(layer).state_row
+
+    def _kda_slot(self, layer: int):
+        if not is_int(layer) or layer not in self._kda:
+            kda = self.layout.config.model.kda
+            if kda is not None and is_int(layer) and layer in kda.layers:
+                raise NotImplementedError(
+                    f"layer {layer} is a KDA layer of a {self.layout.kind} layout: only the packed layout "
+                    "(KDA-hybrid DSA models) holds KDA states in the pool"
+                )
+            raise ValueError(f"layer {layer} is not a KDA layer; KDA layers: {sorted(self._kda)}")
+        return self._kda[layer]
+
+    def _typed_rows(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...], row_bytes: int) -> torch.Tensor:
+        """``[num_rows, *shape]`` contiguous-inside-a-row view of ``dtype`` at byte ``offset`` of every row."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize or row_bytes % itemsize or self.buffer.data_ptr() % itemsize:
+            raise ValueError(f"byte offset {offset} or row size {row_bytes} is not {itemsize}-byte aligned for a "
+                             f"{dtype} state view")
+        typed = self.buffer.view(dtype)
+        inner = [1]
+        for size in reversed(shape[1:]):
+            inner.insert(0, inner[0] * size)
+        return typed.as_strided((self.layout.num_rows, *shape), (row_bytes // itemsize, *inner),
+                                typed.storage_offset() + offset // itemsize)
 
     def _typed(self, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -5,7 +5,10 @@ row when a block fills; if none is left, the most recently admitted request is
 preempted: freed and queued again at the front, to be recomputed from its prompt), then
 waiting requests are admitted in arrival order while rows, ``max_num_seqs`` and the
 step's token budget allow. A prompt is prefilled in the step it is admitted (a prompt
-longer than the budget is admitted alone).
+longer than the budget is admitted alone). KDA state checkpoints follow the allocator's
+policy: an admitted prompt restores the deepest checkpoint its cached blocks reach (those
+tokens cost no prefill budget); after the step's admissions each admitted prompt saves one
+at each position the policy names, in the rows left; the copies are handed out then.
 """
 
 from __future__ import annotations
@@ -45,6 +48,25 @@ class LayoutResult:
     utilisation: float = 0.0
     state_row_utilisation: float = 0.0
     attention_row_utilisation: float = 0.0
+    prefill_tokens_saved: int = 0  # prompt tokens whose prefill a restored checkpoint skipped
+    checkpoints_saved: int = 0
+    checkpoint_rows_mean: float = 0.0
+    checkpoint_rows_peak: int = 0
+
+    @property
+    def prefill_saved_rate(self) -> float:
+        """Share of prompt tokens whose prefill checkpoints skipped."""
+        return self.prefill_tokens_saved / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def checkpoint_bytes_mean(self) -> float:
+        """Mean bytes of the pool holding checkpoints (parked or in use)."""
+        return self.checkpoint_rows_mean * self.row_bytes
+
+    @property
+    def checkpoint_bytes_peak(self) -> int:
+        """Peak bytes of the pool holding checkpoints."""
+        return self.checkpoint_rows_peak * self.row_bytes
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -70,6 +92,7 @@ class _Usage:
     state_bytes: float = 0.0
     attention_bytes: float = 0.0
     state_row_bytes: float = 0.0
+    checkpoint_rows: float = 0.0
     samples: int = 0
 
 
@@ -163,16 +186,26 @@ class Replay:
                 self.result.rejected += 1
                 continue
             if request.prompt_len > budget and admitted:
-                return
+                break
             tokens = _prompt_ids(request)
             if not self.allocator.can_add(tokens):
                 self.result.admission_refusals += 1
-                return
+                break
             self.allocator.add(request.request_id, tokens)
             waiting.popleft()
             running.append(_Running(request))
-            budget -= request.prompt_len
+            budget -= request.prompt_len - self.allocator.restored_tokens(request.request_id)
             admitted += 1
+        self._checkpoint(running[len(running) - admitted :])
+
+    def _checkpoint(self, admitted: list[_Running]) -> None:
+        """After the step's prefills: save the checkpoints the policy names in whatever rows are left
+        (admission came first, as a scheduler decides before the forward pass), then hand out the copies."""
+        for entry in admitted:
+            rid = entry.request.request_id
+            for position in self.allocator.checkpoint_positions(rid):
+                self.allocator.save_checkpoint(rid, position)
+        self.allocator.pop_state_copies()
 
     def _never_fits(self, request: SimRequest) -> bool:
         """A request whose full length needs more rows than the whole pool is rejected outright."""
@@ -197,6 +230,8 @@ class Replay:
         if layout.state_rows_per_request:
             usage.state_bytes += num_requests * layout.num_kda_layers * layout.state_bytes
         usage.state_row_bytes += num_requests * layout.state_rows_per_request * layout.row_bytes
+        usage.checkpoint_rows += alloc.num_checkpoint_rows
+        self.result.checkpoint_rows_peak = max(self.result.checkpoint_rows_peak, alloc.num_checkpoint_rows)
         usage.samples += 1
 
     def _finish(self, steps: int, running_sum: int) -> LayoutResult:
@@ -204,6 +239,8 @@ class Replay:
         result.num_steps = steps
         result.mean_running = running_sum / max(steps, 1)
         result.prompt_tokens, result.hit_tokens = stats.prompt_tokens, stats.hit_tokens
+        result.prefill_tokens_saved, result.checkpoints_saved = stats.restored_tokens, stats.checkpoints_saved
+        result.checkpoint_rows_mean = _ratio(usage.checkpoint_rows, usage.samples)
         used = usage.token_bytes + usage.state_bytes
         result.utilisation = _ratio(used, usage.attention_bytes + usage.state_row_bytes)
         result.attention_row_utilisation = _ratio(usage.token_bytes, usage.attention_bytes)

@@ -19,6 +19,10 @@ _ROWS = (
     ("  attention rows", lambda r: f"{100 * r.attention_row_utilisation:.1f}%"),
     ("  state rows", lambda r: f"{100 * r.state_row_utilisation:.1f}%"),
     ("prefix hit rate", lambda r: f"{100 * r.prefix_hit_rate:.1f}%"),
+    ("prefill tokens saved", lambda r: f"{100 * r.prefill_saved_rate:.1f}%"),
+    ("  checkpoints saved", lambda r: f"{r.checkpoints_saved}"),
+    ("  checkpoint GiB mean", lambda r: f"{r.checkpoint_bytes_mean / 2**30:.2f}"),
+    ("  checkpoint GiB peak", lambda r: f"{r.checkpoint_bytes_peak / 2**30:.2f}"),
     ("admission refusals", lambda r: f"{r.admission_refusals}"),
     ("preemptions", lambda r: f"{r.preemptions}"),
     ("rejected (never fit)", lambda r: f"{r.rejected}"),
@@ -49,7 +53,9 @@ class SimReport:
             "tensor_parallel_size": self.tensor_parallel_size,
             "decode_context_parallel_size": self.decode_context_parallel_size,
             "workload": asdict(self.workload),
-            "results": [dict(asdict(r), prefix_hit_rate=r.prefix_hit_rate, pool_bytes=r.pool_bytes)
+            "results": [dict(asdict(r), prefix_hit_rate=r.prefix_hit_rate, pool_bytes=r.pool_bytes,
+                             prefill_saved_rate=r.prefill_saved_rate, checkpoint_bytes_mean=r.checkpoint_bytes_mean,
+                             checkpoint_bytes_peak=r.checkpoint_bytes_peak)
                         for r in self.results],
         }
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsacache.dispatch import check_same_device, use_triton
-from dsacache.formats.mla_entry import MlaEntryFormat
-from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.formats.mla_entry import MlaEntryFormat, check_k_scale, mla_pages_format
 from dsacache.ops.checks import check_slot_mapping
 from dsacache.ops.mla_cache import naive
 
@@ -27,34 +26,6 @@ def _check_latents(kv_c: object, k_pe: object) -> tuple[int, int]:
     if kv_c.shape[1] == 0:
         raise ValueError("kv_lora_rank (kv_c.shape[1]) must be positive")
     return kv_c.shape[1], 0 if k_pe is None else k_pe.shape[1]
-
-
-def _pages_format(pages: object, rank: int, rope: int, kv_cache_dtype) -> MlaEntryFormat:
-    if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 3 \
-            or pages.shape[1] != KERNEL_PAGE_SIZE:
-        raise ValueError(f"mla_pages must be a uint8 view [num_pages, {KERNEL_PAGE_SIZE}, entry_bytes], got "
-                         f"{tuple(getattr(pages, 'shape', ()))} {getattr(pages, 'dtype', type(pages).__name__)}")
-    fmt = MlaEntryFormat.of_entry(pages.shape[2], rank, rope, kv_cache_dtype)
-    entry = fmt.entry_bytes
-    if pages.stride(1) != entry or pages.stride(2) != 1:
-        raise ValueError("each MLA page must be contiguous: strides (page_stride, entry_bytes, 1)")
-    if pages.shape[0] > 1 and pages.stride(0) < KERNEL_PAGE_SIZE * entry:
-        raise ValueError(f"page stride {pages.stride(0)} overlaps pages of {KERNEL_PAGE_SIZE * entry} B")
-    align = 4 if fmt.kind == "fp8_ds_mla" else 2 if fmt.kind == "bfloat16" else 1
-    if pages.data_ptr() % align or pages.stride(0) % align:
-        raise ValueError(f"{fmt.kind} MLA pages must be {align}-byte aligned (address and page stride)")
-    return fmt
-
-
-def _check_k_scale(k_scale: object, fmt: MlaEntryFormat, check_slots: bool) -> None:
-    if fmt.kind != "fp8":
-        if k_scale is not None:
-            raise ValueError(f"k_scale applies to kv_cache_dtype 'fp8' only; these pages are {fmt.kind}")
-        return
-    if not isinstance(k_scale, torch.Tensor) or k_scale.numel() != 1 or k_scale.dtype != torch.float32:
-        raise ValueError("kv_cache_dtype 'fp8' needs k_scale, a one-element float32 tensor (the per-tensor scale)")
-    if check_slots and not float(k_scale) > 0:
-        raise ValueError(f"k_scale must be positive and finite, got {float(k_scale)}")
 
 
 def store_mla_latents(kv_c: torch.Tensor, k_pe: torch.Tensor | None, mla_pages: torch.Tensor,
@@ -94,9 +65,9 @@ def store_mla_latents(kv_c: torch.Tensor, k_pe: torch.Tensor | None, mla_pages: 
         (True, False)
     """
     rank, rope = _check_latents(kv_c, k_pe)
-    fmt = _pages_format(mla_pages, rank, rope, kv_cache_dtype)
+    fmt = mla_pages_format(mla_pages, rank, rope, kv_cache_dtype)
     check_slot_mapping(slot_mapping, kv_c.shape[0], mla_pages.shape[0], check_slots)
-    _check_k_scale(k_scale, fmt, check_slots)
+    check_k_scale(k_scale, fmt, check_slots)
     tensors = dict(kv_c=kv_c, mla_pages=mla_pages, slot_mapping=slot_mapping)
     tensors.update({name: t for name, t in (("k_pe", k_pe), ("k_scale", k_scale)) if t is not None})
     check_same_device(**tensors)

@@ -1,0 +1,194 @@
+"""Sparse MLA decode on 656-B fp8_ds_mla entries (K3.1's MLA layer) against the copy ceiling.
+
+The pool holds ``--pool-tokens`` tokens of one layer's MLA pages (4M tokens: 2.7 GB of entries,
+far past the L2) with another layer's page between two of this layer's, as in a packed cache;
+every query row attends ``--topk`` random valid slots of the whole pool. Every shape is checked
+against the PyTorch reference first and not timed if it disagrees.
+
+Reported: time a call (CUDA-graph replay of a window of back-to-back calls over rotating index
+sets, median of the windows), the bytes a call must move (the entries gathered, indices, queries,
+out and lse) and the GB/s that makes against the copy ceiling, and TFLOP/s counting
+``2 * H * topk * (576 + 512)`` a query row. ``build_pool`` and ``build_inputs`` make the inputs,
+so another kernel can be timed on the very same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda, time_graph
+from dsacache.formats.mla_entry import MlaEntryFormat, encode_entries
+from dsacache.formats.sizes import KERNEL_PAGE_SIZE
+from dsacache.ops.sparse_mla import sparse_mla_decode
+
+KV_LORA_RANK = 512
+ROPE = 64
+FMT = MlaEntryFormat.of("fp8_ds_mla", KV_LORA_RANK, ROPE)
+#: The shapes of the side-by-side targets: (B, s_q, H).
+SHAPES = [(128, 2, 128), (128, 2, 64), (64, 1, 12), (64, 2, 12), (64, 1, 64), (64, 2, 64), (256, 1, 64)]
+#: Bounds of the correctness gate (the tests' bounds).
+OUT_RMS = 1e-2
+LSE_REL = 1e-3
+#: Tokens encoded at a time while filling the pool (bounds the fp32 temporaries).
+FILL_CHUNK = 1 << 20
+#: Index sets a timing window rotates through, so one call's entries are not left in L2 for the next.
+INDEX_SETS = 4
+#: Calls in one captured window.
+WINDOW = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", nargs="+", default=[f"{b}x{s}x{h}" for b, s, h in SHAPES],
+                        help="BxS_QxH shapes to time (default: the target shapes)")
+    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--pool-tokens", type=int, default=1 << 22)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of launch settings per shape")
+
+
+@dataclass
+class MlaInputs:
+    """One shape's inputs: absorbed queries, ``INDEX_SETS`` index tensors, the softmax scale."""
+
+    q: torch.Tensor
+    index_sets: list[torch.Tensor]
+    softmax_scale: float
+
+    @property
+    def indices(self) -> torch.Tensor:
+        return self.index_sets[0]
+
+
+def build_pool(num_tokens: int, device: torch.device | str, seed: int = 0) -> torch.Tensor:
+    """One layer's fp8_ds_mla pages ``[P, 64, 656]`` with another layer's page between two of them
+    (page stride two pages), every entry encoded from random latents."""
+    num_pages = math.ceil(num_tokens / KERNEL_PAGE_SIZE)
+    page = KERNEL_PAGE_SIZE * FMT.entry_bytes
+    raw = torch.zeros(num_pages, 2, page, dtype=torch.uint8, device=device)
+    pages = raw[:, 1].view(num_pages, KERNEL_PAGE_SIZE, FMT.entry_bytes)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    flat = pages.view(num_pages, KERNEL_PAGE_SIZE * FMT.entry_bytes)
+    step = max(1, FILL_CHUNK // KERNEL_PAGE_SIZE)
+    for p in range(0, num_pages, step):
+        n = min(step, num_pages - p) * KERNEL_PAGE_SIZE
+        kv_c = torch.randn(n, KV_LORA_RANK, device=device, generator=gen)
+        k_pe = torch.randn(n, ROPE, device=device, generator=gen)
+        flat[p:p + n // KERNEL_PAGE_SIZE] = encode_entries(kv_c, k_pe, FMT).view(-1, flat.shape[1])
+    return pages
+
+
+def build_inputs(batch: int, s_q: int, heads: int, topk: int, pages: torch.Tensor, seed: int = 0) -> MlaInputs:
+    """Absorbed bf16 queries ``[batch, s_q, heads, 576]`` and ``INDEX_SETS`` int32 index tensors
+    ``[batch, s_q, topk]`` of random valid slots of the whole pool (softmax scale 1/sqrt(192),
+    K3.1's ``qk_nope_head_dim + qk_rope_head_dim``)."""
+    gen = torch.Generator(device=pages.device).manual_seed(seed)
+    q = torch.randn(batch, s_q, heads, FMT.cached_dim, device=pages.device, generator=gen).to(torch.bfloat16)
+    num_slots = pages.shape[0] * KERNEL_PAGE_SIZE
+    sets = [torch.randint(0, num_slots, (batch, s_q, topk), device=pages.device, generator=gen, dtype=torch.int32)
+            for _ in range(INDEX_SETS)]
+    return MlaInputs(q, sets, 192 ** -0.5)
+
+
+def check(inputs: MlaInputs, pages: torch.Tensor, config: dict | None = None) -> float:
+    """The Triton path against the reference on the first index set; the out error, or CorrectnessError."""
+    ref_out, ref_lse = sparse_mla_decode(inputs.q, pages, inputs.indices, inputs.softmax_scale, impl="torch")
+    out, lse = _triton_call(inputs, pages, inputs.indices, config)
+    if torch.isnan(out).any() or torch.isnan(lse).any():
+        raise CorrectnessError("sparse MLA: NaN in out or lse")
+    if not torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)):
+        raise CorrectnessError("sparse MLA: rows without a valid slot differ from the reference")
+    err = float((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30))
+    live = torch.isfinite(ref_lse)
+    lse_err = float(((lse[live] - ref_lse[live]).abs() / ref_lse[live].abs().clamp_min(1.0)).max()) \
+        if live.any() else 0.0
+    if not err < OUT_RMS or not lse_err < LSE_REL:
+        raise CorrectnessError(f"sparse MLA: out rel. RMS error {err:.2e} (bound {OUT_RMS:.0e}), "
+                               f"lse rel. error {lse_err:.2e} (bound {LSE_REL:.0e})")
+    return err
+
+
+def _triton_call(inputs: MlaInputs, pages: torch.Tensor, indices: torch.Tensor, config: dict | None = None):
+    if config is None:
+        return sparse_mla_decode(inputs.q, pages, indices, inputs.softmax_scale)
+    from dsacache.ops.sparse_mla.launch import launch_sparse_mla_decode
+
+    b, s, h = inputs.q.shape[:3]
+    out = torch.empty(b, s, h, KV_LORA_RANK, dtype=torch.bfloat16, device=pages.device)
+    lse = torch.empty(b, s, h, dtype=torch.float32, device=pages.device)
+    launch_sparse_mla_decode(inputs.q, pages, indices, inputs.softmax_scale, FMT, None, out, lse, config)
+    return out, lse
+
+
+def time_window(inputs: MlaInputs, pages: torch.Tensor, config: dict | None = None) -> float:
+    """Milliseconds a call: a CUDA graph of WINDOW back-to-back calls rotating over the index sets."""
+    sets = itertools.cycle(inputs.index_sets)
+    return time_graph(lambda: _triton_call(inputs, pages, next(sets), config), window=WINDOW)
+
+
+def moved_bytes(batch: int, s_q: int, heads: int, topk: int) -> int:
+    """Bytes a call must move: each selected entry once, the indices, queries, out and lse."""
+    rows = batch * s_q
+    return rows * (topk * (FMT.entry_bytes + 4) + heads * (FMT.cached_dim * 2 + KV_LORA_RANK * 2 + 4))
+
+
+def flops(batch: int, s_q: int, heads: int, topk: int) -> int:
+    """Tensor-core work a call: scores over 576 values and the value product over 512, per head and slot."""
+    return 2 * batch * s_q * heads * topk * (FMT.cached_dim + KV_LORA_RANK)
+
+
+#: Launch settings ``--sweep`` times beside the defaults (``launch.CONFIGS`` fields).
+SWEEP = [{"BLOCK_N": 16}, {"BLOCK_N": 32}, {"BLOCK_N": 64}, {"num_stages": 3}, {"num_stages": 6},
+         {"num_warps": 4}, {"splits": 1}, {"splits": 2}, {"splits": 4}, {"BH": 32}]
+
+
+def run_sweep(inputs: MlaInputs, pages: torch.Tensor, ceiling: float, nbytes: int, work: int) -> None:
+    shape = "x".join(str(d) for d in inputs.q.shape[:3])
+    for settings in SWEEP:
+        try:
+            check(inputs, pages, settings)
+            ok = ""
+        except CorrectnessError as err:
+            ok = f" WRONG ({err})"
+        except Exception as err:  # a setting that does not compile is reported, not fatal
+            print(f"sweep mla {shape} {settings}: failed ({type(err).__name__}: {err})"[:300], flush=True)
+            continue
+        ms = time_window(inputs, pages, settings)
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        print(f"sweep mla {shape} {settings}: {ms * 1e3:.1f} us {gbps:.0f} GB/s {gbps / ceiling:.1%} "
+              f"{work / (ms * 1e-3) / 1e12:.0f} TFLOP/s{ok}", flush=True)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        batch, s_q, heads = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shapes: {text!r} is not BxS_QxH (e.g. 64x1x12)") from None
+    return batch, s_q, heads
+
+
+def run(args: argparse.Namespace) -> list[BenchRow]:
+    from dsacache.ops.sparse_mla.launch import decode_config
+
+    pages = build_pool(args.pool_tokens, torch.device("cuda"))
+    rows: list[BenchRow] = []
+    for text in args.shapes:
+        batch, s_q, heads = parse_shape(text)
+        inputs = build_inputs(batch, s_q, heads, args.topk, pages)
+        err = check(inputs, pages)
+        ms = time_window(inputs, pages)
+        nbytes, work = moved_bytes(batch, s_q, heads, args.topk), flops(batch, s_q, heads, args.topk)
+        cfg = decode_config(inputs.q, args.topk)
+        eager_ms = time_cuda(lambda: _triton_call(inputs, pages, inputs.indices))
+        extra = {"tflops": f"{work / (ms * 1e-3) / 1e12:.0f}", "out_err": f"{err:.1e}", "eager_us": f"{eager_ms * 1e3:.1f}",
+                 "config": f"BH={cfg['BH']},BLOCK_N={cfg['BLOCK_N']},splits={cfg['splits']}"}
+        row = BenchRow("sparse_mla_decode", f"fp8_ds_mla B={batch} s_q={s_q} H={heads} topk={args.topk}", ms,
+                       nbytes, args.ceiling_gbps, extra)
+        print(row.line(), flush=True)
+        rows.append(row)
+        if args.sweep:
+            run_sweep(inputs, pages, args.ceiling_gbps, nbytes, work)
+    return rows

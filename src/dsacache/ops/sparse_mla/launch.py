@@ -1,0 +1,145 @@
+"""Which settings the sparse MLA decode kernels run with, and their launch.
+
+One program attends one query row with one block of ``BH`` heads over one split of its
+top-k slots (``sparse_attention``); when a row's slots are split over several programs,
+``merge_splits`` combines their partial outputs by LSE. The head block is the smallest of
+16, 32, 64 that holds the heads (``tl.dot`` needs 16 rows; 12 heads pay for 16, not 64);
+more than 64 heads take several blocks. ``config`` on :func:`launch_sparse_mla_decode`
+overrides any setting for one call (tests, ``dsacache.bench mla --sweep``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from dsacache.formats.mla_entry import MlaEntryFormat
+from dsacache.formats.sizes import DS_MLA_TILE, KERNEL_PAGE_SIZE
+from dsacache.ops.sparse_mla.merge_splits import merge_splits_kernel
+from dsacache.ops.sparse_mla.sparse_attention import sparse_mla_attention_kernel
+from dsacache.ops.triton_utils import check_launch, sm_count
+
+KINDS = {"bfloat16": 0, "fp8": 1, "fp8_ds_mla": 2}
+
+#: Settings by head block, the same for every entry kind. Each compiles for sm_90 without register
+#: spills (the compile test); at 8 warps and 150-255 registers a thread, one program fits an SM.
+#: num_stages 5 is what gives the gathered entries two shared-memory buffers (the pipeliner splits
+#: the stages between the slot load and the gather it feeds), so the next step's entries arrive
+#: while this step computes; at 3 or 4 the gather is waited for at every step.
+CONFIGS = {
+    # 16 heads: mma.sync; 32 slots a step (at 64 both key operands of a step spill).
+    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
+    # 32 heads: mma.sync; 16 slots a step (at 32 the doubled accumulator spills).
+    32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
+    # 64 heads: wgmma; 8 warps hold the [64, 512] fp32 accumulator at 128 registers a thread; 16
+    # slots a step (32 spill 60 B).
+    64: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
+}
+#: Latent chunks the kernel holds an accumulator for, and the rank they cover at 128 values a chunk.
+MAX_CHUNKS = 4
+MAX_RANK = MAX_CHUNKS * DS_MLA_TILE
+#: Most programs one row's slots are split over (the merge reads every split's partial output).
+MAX_SPLITS = 16
+#: What a second launch (the merge) costs, in steps of BLOCK_N slots of one program.
+MERGE_COST_STEPS = 4
+#: Heads a merge program and its warps (a [4, 512] fp32 accumulator: 16 values a thread).
+MERGE_HEADS = 4
+MERGE_WARPS = 4
+
+
+def head_block(num_heads: int) -> int:
+    """Heads a program attends: the smallest of 16, 32, 64 holding ``num_heads``, else 64."""
+    return min(64, max(16, triton.next_power_of_2(num_heads)))
+
+
+def choose_splits(rows: int, head_blocks: int, topk: int, block_n: int, slots_on_device: int | None) -> int:
+    """Programs each row's slots are split over: the fewest waves of programs times slot steps a
+    program, plus the merge launch when split; 1 where the device is unknown (the interpreter)."""
+    if slots_on_device is None or rows * head_blocks == 0:
+        return 1
+    steps = math.ceil(topk / block_n)
+
+    def cost(splits: int) -> int:
+        waves = math.ceil(rows * head_blocks * splits / slots_on_device)
+        return waves * math.ceil(steps / splits) + (MERGE_COST_STEPS if splits > 1 else 0)
+
+    return min(range(1, min(MAX_SPLITS, steps) + 1), key=lambda s: (cost(s), s))
+
+
+def decode_config(q: torch.Tensor, topk: int, config: dict | None = None) -> dict:
+    """The settings a call runs with: head block, its CONFIGS entry, the split count, overrides."""
+    num_heads = q.shape[2]
+    bh = (config or {}).get("BH", head_block(num_heads))
+    cfg = {"BH": bh, **CONFIGS[bh], **(config or {})}
+    if "splits" not in cfg:
+        sms = sm_count(q.device)
+        slots = None if sms is None else sms * cfg["programs_per_sm"]
+        cfg["splits"] = choose_splits(q.shape[0] * q.shape[1], triton.cdiv(num_heads, bh), topk, cfg["BLOCK_N"],
+                                      slots)
+    return cfg
+
+
+def launch_sparse_mla_decode(q: torch.Tensor, pages: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
+                             fmt: MlaEntryFormat, k_scale: torch.Tensor | None, out: torch.Tensor,
+                             lse: torch.Tensor, config: dict | None = None) -> None:
+    """Fill ``out`` and ``lse`` (inputs validated by the public function; ``out``/``lse`` contiguous)."""
+    batch, s_q, num_heads, _ = q.shape
+    rows, topk = batch * s_q, indices.shape[2]
+    if rows == 0:
+        return
+    check_launch(triton_supports(fmt), f"kv_lora_rank <= {MAX_RANK}")
+    check_launch(out.is_contiguous() and lse.is_contiguous(), "contiguous out and lse")
+    check_launch(pages.stride(1) == fmt.entry_bytes and pages.stride(2) == 1, "MLA pages are [P, 64, entry] rows")
+    q = q if q.stride(3) == 1 else q.contiguous()
+    indices = indices if indices.stride(2) == 1 else indices.contiguous()
+    cfg = decode_config(q, topk, config)
+    bh, block_n = cfg["BH"], cfg["BLOCK_N"]
+    keys_per_split = triton.cdiv(triton.cdiv(topk, cfg["splits"]), block_n) * block_n
+    splits = triton.cdiv(topk, keys_per_split)
+    head_blocks = triton.cdiv(num_heads, bh)
+    if splits > 1:
+        part = torch.empty(rows, splits, num_heads, fmt.kv_lora_rank, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(rows, splits, num_heads, dtype=torch.float32, device=q.device)
+        dest, dest_lse = part, part_lse
+    else:
+        dest, dest_lse = out, lse
+    sparse_mla_attention_kernel[(rows * head_blocks * splits,)](
+        q, pages, indices, k_scale if k_scale is not None else lse, dest, dest_lse,
+        num_heads, s_q, topk, keys_per_split, splits, pages.shape[0] * KERNEL_PAGE_SIZE, pages.stride(0),
+        q.stride(0), q.stride(1), q.stride(2), indices.stride(0), indices.stride(1),
+        softmax_scale * math.log2(math.e),
+        **attention_constants(fmt, cfg, splits > 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        merge_splits_kernel[(rows, triton.cdiv(num_heads, MERGE_HEADS))](
+            part, part_lse, out, lse, num_heads, splits, **merge_constants(fmt), num_warps=MERGE_WARPS,
+        )
+
+
+def attention_constants(fmt: MlaEntryFormat, cfg: dict, split: bool) -> dict:
+    """The compile-time arguments of ``sparse_mla_attention_kernel`` for an entry kind and settings."""
+    return dict(RANK=fmt.kv_lora_rank, ROPE=fmt.rope_dim, ENTRY=fmt.entry_bytes, KIND=KINDS[fmt.kind],
+                PAGE=KERNEL_PAGE_SIZE, TILE=DS_MLA_TILE, BH=cfg["BH"], BLOCK_N=cfg["BLOCK_N"],
+                CHUNK=value_chunk(fmt.kv_lora_rank), BLOCK_P=_pow2_at_least_16(fmt.rope_dim), SPLIT=split)
+
+
+def value_chunk(kv_lora_rank: int) -> int:
+    """Latent values a chunk of the kernel (an fp8_ds_mla scale tile: 128; fewer for a small rank)."""
+    return min(DS_MLA_TILE, _pow2_at_least_16(kv_lora_rank))
+
+
+def triton_supports(fmt: MlaEntryFormat) -> bool:
+    """Whether the Triton kernel takes this entry kind: at most four latent chunks (rank <= 512)."""
+    return math.ceil(fmt.kv_lora_rank / value_chunk(fmt.kv_lora_rank)) <= MAX_CHUNKS
+
+
+def merge_constants(fmt: MlaEntryFormat) -> dict:
+    """The compile-time arguments of ``merge_splits_kernel``."""
+    return dict(RANK=fmt.kv_lora_rank, BLOCK_H=MERGE_HEADS, BLOCK_R=_pow2_at_least_16(fmt.kv_lora_rank))
+
+
+def _pow2_at_least_16(n: int) -> int:
+    """A tile width for ``n`` values: a power of two, at least 16 (``tl.dot``'s smallest)."""
+    return max(16, triton.next_power_of_2(max(n, 1)))
