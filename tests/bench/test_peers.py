@@ -443,3 +443,48 @@ def test_wide_logits_shapes_are_issue_20s():
     args = build_parser().parse_args(["logits", "--batch", "32", "64", "--ctx", "4096"])
     assert logits.shape_pairs(args) == [(32, 4096), (64, 4096)]
     assert logits.shape_pairs(build_parser().parse_args(["logits"])) == [(64, 32768), (64, 131072)]
+
+
+def _flashmla_like(scale, seen):
+    """A stand-in for FlashMLA's op: the reference on the (padded) queries, out times ``scale``,
+    lse as ``[B, H, s_q]``; records the index tensors it was given."""
+    from dsacache.ops.sparse_mla import sparse_mla_decode
+
+    def op(q, kv, idx, *rest):
+        seen.append(idx)
+        out, lse = sparse_mla_decode(q, kv.squeeze(2), idx, rest[8], impl="torch")
+        return out * scale, lse.transpose(1, 2), None, None
+
+    return op
+
+
+@pytest.mark.parametrize("scale,agrees", [(1.0, True), (1.05, False)])
+def test_mla_rows_carry_flashmla_on_the_rotating_index_sets(scale, agrees, monkeypatch):
+    import argparse
+
+    from dsacache.bench import mla
+
+    calls = []
+
+    def timer(fn):
+        for _ in range(2 * mla.INDEX_SETS):
+            fn()
+        calls.append(fn)
+        return 3.0
+
+    monkeypatch.setattr(mla, "time_graph", timer)
+    pages = mla.build_pool(2048, "cpu")
+    inputs = mla.build_inputs(2, 1, 12, 64, pages)
+    ref = mla.reference(inputs, pages)
+    seen = []
+    peer_set = peers.PeerSet({"sparse_mla": peers.FlashMlaSparseDecode(_flashmla_like(scale, seen))})
+    row = BenchRow("sparse_mla_decode", "B=2 s_q=1 H=12", 1.0, 1000, 4000.0)
+    mla._attach_flashmla(argparse.Namespace(peers=peer_set), row, inputs, pages, ref)
+    assert row.peer == "FlashMLA sparse_decode_fwd" and "out rel. RMS error" in row.peer_note
+    if agrees:
+        assert row.peer_ms == 3.0 and "lse rel. error" in row.peer_note
+        assert len(seen) == 1 + 2 * mla.INDEX_SETS and torch.equal(seen[0], inputs.index_sets[0])
+        for i, idx in enumerate(seen):  # the window visits every index set in turn
+            assert torch.equal(idx, inputs.index_sets[i % mla.INDEX_SETS])
+    else:
+        assert row.peer_ms is None and row.peer_note.startswith("disagrees") and not calls

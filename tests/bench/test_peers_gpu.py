@@ -70,3 +70,15 @@ def test_deepgemm_logits_agree_with_the_reference(loaded, next_n):
     ref = paged_decode_logits(q, weights, seq_lens, pages, block_table, max_model_len=4096, impl="torch")
     agrees, note = logits.peer_agreement(out, ref)
     assert agrees, note
+
+
+@pytest.mark.parametrize("heads", [12, 64, 128])
+def test_flashmla_agrees_with_the_reference(loaded, heads):
+    from dsacache.bench import mla
+
+    peer = _peer(loaded, "sparse_mla")
+    pages = mla.build_pool(1 << 16, "cuda")
+    inputs = mla.build_inputs(4, 2, heads, 2048, pages)
+    out = peer.make_call(inputs.q, pages, inputs.indices, inputs.softmax_scale)()
+    agrees, note = mla.peer_agreement(out, mla.reference(inputs, pages))
+    assert agrees, note
