@@ -22,6 +22,7 @@ SUITES = {
     "dcp": "dsacache.bench.dcp",
     "kda": "dsacache.bench.kda",
     "kcache": "dsacache.bench.k_cache",
+    "layer": "dsacache.bench.layer",
     "logits": "dsacache.bench.logits",
     "mla": "dsacache.bench.mla",
     "topk": "dsacache.bench.topk",
