@@ -83,10 +83,13 @@ def _reference(pool, layer, table, lens, next_n, inputs):
     return torch.stack(outs).view(batch, next_n, -1, 512), torch.stack(lses).view(batch, next_n, -1)
 
 
+PATHS = [pytest.param("cpu", "torch", id="torch"), pytest.param("cuda", "auto", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device,impl", PATHS)
 @pytest.mark.parametrize("next_n", [1, 2])
-def test_decode_step_matches_the_reference(next_n):
+def test_decode_step_matches_the_reference(next_n, device, impl):
     torch.manual_seed(next_n)
-    device = "cpu"
     pool = _pool(device)
     layer = pool.layout.dsa_layers[3].layer
     lens = [65, 130, 2]  # a full page + 1, two pages + 2, a request of two tokens
@@ -95,17 +98,48 @@ def test_decode_step_matches_the_reference(next_n):
     for r, n in enumerate(lens):
         if n > next_n:
             _store_tokens(pool, layer, table, r, list(range(n - next_n)), device)
-    slot_buf = torch.empty(64, dtype=torch.int64)
+    slot_buf = torch.empty(64, dtype=torch.int64, device=device)
     meta = build_indexer_metadata(table, [next_n] * len(lens), lens, slot_buf, next_n=next_n,
                                   num_decodes=len(lens), workspace_tokens=4096, logits_bytes=1 << 24,
                                   num_kernel_pages=pool.num_kernel_pages)
     step = DsaDecodeStep(pool, batch_size=len(lens), next_n=next_n, num_heads=12, max_model_len=256,
                          softmax_scale=SCALE, topk=TOPK)
     inputs = _inputs(len(lens), next_n, 12, device)
-    out, lse = step.run(layer, meta, inputs, impl="torch")
+    out, lse = step.run(layer, meta, inputs, impl=impl)
     ref_out, ref_lse = _reference(pool, layer, table, lens, next_n, inputs)
-    assert rel_rms_error(out.float(), ref_out) < 1e-2  # bf16 output
-    assert float(((lse.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1)).max()) < 1e-3
+    assert rel_rms_error(out.float().cpu(), ref_out) < 1e-2  # bf16 output
+    assert float(((lse.double().cpu() - ref_lse).abs() / ref_lse.abs().clamp_min(1)).max()) < 1e-3
+
+
+@pytest.mark.gpu
+def test_all_dsa_layers_capture_as_one_cuda_graph():
+    torch.manual_seed(0)
+    pool = _pool("cuda", num_rows=16)
+    layers = [slot.layer for slot in pool.layout.dsa_layers]
+    lens = [300, 1000, 64, 65]
+    table = _prefill(pool, layers[0], lens, "cuda")
+    for layer in layers:
+        for r, n in enumerate(lens):
+            _store_tokens(pool, layer, table, r, list(range(n - 1)), "cuda")
+    meta = build_indexer_metadata(table, [1] * len(lens), lens, torch.empty(64, dtype=torch.int64, device="cuda"),
+                                  num_decodes=len(lens), workspace_tokens=4096, logits_bytes=1 << 24,
+                                  num_kernel_pages=pool.num_kernel_pages)
+    step = DsaDecodeStep(pool, batch_size=len(lens), next_n=1, num_heads=12, max_model_len=1024,
+                         softmax_scale=SCALE, topk=256)
+    inputs = {layer: _inputs(len(lens), 1, 12, "cuda") for layer in layers}
+    before = pool.buffer.clone()
+    eager = {k: (o.clone(), s.clone()) for k, (o, s) in step.run_all(meta, inputs).items()}
+    pool.buffer.copy_(before)  # the stores write the same bytes again on replay
+    outputs = {layer: (torch.empty_like(step.out), torch.empty_like(step.lse)) for layer in layers}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.run_all(meta, inputs, outputs)
+    pool.buffer.copy_(before)
+    graph.replay()
+    torch.cuda.synchronize()
+    for layer in layers:
+        assert torch.equal(outputs[layer][0], eager[layer][0]), layer
+        assert torch.equal(outputs[layer][1], eager[layer][1]), layer
 
 
 def test_step_refuses_a_mismatched_shape():

@@ -1,7 +1,10 @@
 """``python -m dsacache.bench SUITE``: time dsacache's kernels on a CUDA device.
 
 Each suite module defines ``add_arguments(parser)`` and ``run(args) -> list[BenchRow]``;
-every suite checks correctness before it times anything.
+every suite checks correctness before it times anything. ``SUITE --peers DIR`` also times the
+other libraries' kernels for the same ops from the pack in ``DIR`` (``dsacache.bench.peers``)
+on the suite's inputs, the same way, beside each row; ``args.peers`` is then the loaded
+:class:`~dsacache.bench.peers.PeerSet` (None without the option).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import importlib
 import sys
 
 from dsacache.bench.harness import NoDeviceError, copy_ceiling_gbps, machine_header, print_report, require_cuda
+from dsacache.bench.peers import load_peers
 from dsacache.cli.main import ArgumentParser
 
 #: suite name -> module under dsacache.bench
@@ -18,6 +22,7 @@ SUITES = {
     "dcp": "dsacache.bench.dcp",
     "kda": "dsacache.bench.kda",
     "kcache": "dsacache.bench.k_cache",
+    "layer": "dsacache.bench.layer",
     "logits": "dsacache.bench.logits",
     "mla": "dsacache.bench.mla",
     "topk": "dsacache.bench.topk",
@@ -28,10 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     """One subcommand per suite."""
     parser = ArgumentParser(prog="dsacache bench", description=__doc__)
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--peers", metavar="DIR",
+                        help="also time the peer kernels of the pack in DIR (dg.tar.xz, vc.so.xz, fmla.so) beside "
+                             "each row; a missing or failing one is skipped with a line on stderr")
     sub = parser.add_subparsers(dest="suite", required=True)
     for name, module in SUITES.items():
         mod = importlib.import_module(module)
-        mod.add_arguments(sub.add_parser(name, help=mod.__doc__.splitlines()[0]))
+        mod.add_arguments(sub.add_parser(name, parents=[common], help=mod.__doc__.splitlines()[0]))
     return parser
 
 
@@ -44,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsacache bench: error: {exc}", file=sys.stderr)
         return 2
     header = machine_header()
+    if args.peers is not None:
+        args.peers = load_peers(args.peers)
+        header["peers"] = args.peers.summary()
     ceiling = copy_ceiling_gbps()
     args.ceiling_gbps = ceiling
     rows = importlib.import_module(SUITES[args.suite]).run(args)

@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: machine header, CUDA-event timing, copy ceiling, result rows.
+"""Shared benchmark plumbing: machine header, timing (CUDA events, CUDA-graph windows), copy ceiling,
+result rows with an optional peer side.
 
 Every benchmark in ``dsacache.bench`` checks its op against the PyTorch reference first
 and refuses to time it if the check fails (:class:`CorrectnessError`).
@@ -52,6 +53,40 @@ def machine_header() -> dict:
 #: GPU cycles of the spin kernel queued ahead of a timed launch (~0.5 ms): longer than the host
 #: takes to launch a captured graph, so the start event and the graph's kernels run back to back.
 SPIN_CYCLES = 1_000_000
+#: Back-to-back calls captured in one CUDA graph, and how many replays of it give the median.
+WINDOW = 20
+WINDOWS = 5
+
+
+def median_ms(measure: Callable[[], float], warmup: int, rep: int) -> float:
+    """Median of ``rep`` results of ``measure`` (milliseconds), after ``warmup`` discarded ones."""
+    for _ in range(warmup):
+        measure()
+    return statistics.median(measure() for _ in range(rep))
+
+
+def window_median_ms(measure_window: Callable[[], float], window: int = WINDOW, windows: int = WINDOWS) -> float:
+    """Milliseconds per call: the median of ``windows`` timed windows of ``window`` calls each,
+    over ``window``. One window is replayed first and not counted (it pages the graph in)."""
+    _check_window(window, windows)
+    return median_ms(measure_window, warmup=1, rep=windows) / window
+
+
+def _check_window(window: int, windows: int) -> None:
+    if window < 1 or windows < 1:
+        raise ValueError(f"window={window}, windows={windows}; both must be >= 1")
+
+
+def _event_ms(fn: Callable[[], object], spin: bool) -> float:
+    """Milliseconds of one launch of ``fn`` between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if spin:
+        torch.cuda._sleep(SPIN_CYCLES)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30, spin: bool = False) -> float:
@@ -65,17 +100,29 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30, spin: bo
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if spin:
-            torch.cuda._sleep(SPIN_CYCLES)
-        start.record()
+    return median_ms(lambda: _event_ms(fn, spin), warmup=0, rep=rep)
+
+
+def time_graph(fn: Callable[[], object], window: int = WINDOW, windows: int = WINDOWS) -> float:
+    """Milliseconds per call of ``fn``, device time, as a CUDA-graph-captured decode step runs it.
+
+    ``fn`` runs once on a side stream (compilation, lazy allocations), then ``window``
+    back-to-back calls are captured in one CUDA graph; the graph is replayed ``windows``
+    times behind a spin kernel (see :func:`time_cuda`) and the median replay is divided by
+    ``window``. dsacache's ops and the peers' (``dsacache.bench.peers``) are timed by this
+    one function, so their times compare.
+    """
+    _check_window(window, windows)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(window):
+            fn()
+    return window_median_ms(lambda: _event_ms(graph.replay, spin=True), window, windows)
 
 
 def copy_ceiling_gbps(nbytes: int = 4 << 30) -> float:
@@ -91,7 +138,12 @@ def copy_ceiling_gbps(nbytes: int = 4 << 30) -> float:
 
 @dataclass
 class BenchRow:
-    """One timed case. ``bytes_moved`` is the fewest bytes the op must read plus write."""
+    """One timed case. ``bytes_moved`` is the fewest bytes the op must read plus write.
+
+    With a peer (``--peers``), ``peer`` names the other library's kernel run on the same
+    inputs, ``peer_ms`` is its time (same bytes, same timing) and ``peer_note`` says why it
+    has no time (it failed, or disagreed with the reference) or what to know about it.
+    """
 
     op: str
     shape: str
@@ -99,6 +151,9 @@ class BenchRow:
     bytes_moved: int
     ceiling_gbps: float
     extra: dict = field(default_factory=dict)
+    peer: str | None = None
+    peer_ms: float | None = None
+    peer_note: str | None = None
 
     @property
     def gbps(self) -> float:
@@ -110,19 +165,45 @@ class BenchRow:
         """Time the bytes would take at the measured copy ceiling."""
         return self.bytes_moved / (self.ceiling_gbps * 1e9) * 1e3
 
+    @property
+    def peer_gbps(self) -> float | None:
+        """The peer's bandwidth on the same bytes, or None without a peer time."""
+        return None if self.peer_ms is None else self.bytes_moved / (self.peer_ms * 1e-3) / 1e9
+
+    @property
+    def peer_ratio(self) -> float | None:
+        """Peer time over ours (above 1: dsacache is faster), or None without a peer time."""
+        return None if self.peer_ms is None else self.peer_ms / self.ms
+
     def as_dict(self) -> dict:
-        """The row with GB/s, ratio to the ceiling and floor added."""
+        """The row with GB/s, ratio to the ceiling and floor added; the peer's side when it has one."""
         out = asdict(self)
         out.update(gbps=round(self.gbps, 1), ratio=round(self.gbps / self.ceiling_gbps, 3),
                    floor_ms=round(self.floor_ms, 4))
+        if self.peer is None:
+            for key in ("peer", "peer_ms", "peer_note"):
+                del out[key]
+        elif self.peer_ms is not None:
+            out.update(peer_gbps=round(self.peer_gbps, 1), peer_of_ceiling=round(self.peer_gbps / self.ceiling_gbps, 3),
+                       peer_ratio=round(self.peer_ratio, 3))
         return out
 
     def line(self) -> str:
-        """One printed line of the report."""
+        """One printed line of the report (the peer's side after a ``|``)."""
         ratio = self.gbps / self.ceiling_gbps
         extra = " ".join(f"{k}={v}" for k, v in self.extra.items())
-        return (f"{self.op:<28} {self.shape:<34} {self.ms * 1e3:>10.1f} us {self.gbps:>8.0f} GB/s "
+        text = (f"{self.op:<28} {self.shape:<34} {self.ms * 1e3:>10.1f} us {self.gbps:>8.0f} GB/s "
                 f"{ratio:>6.1%} of copy  floor {self.floor_ms * 1e3:>8.1f} us {extra}")
+        return text.rstrip() + self._peer_text()
+
+    def _peer_text(self) -> str:
+        if self.peer is None:
+            return ""
+        note = f" ({self.peer_note})" if self.peer_note else ""
+        if self.peer_ms is None:
+            return f" | {self.peer}: not timed{note}"
+        return (f" | {self.peer}: {self.peer_ms * 1e3:.1f} us {self.peer_gbps:.0f} GB/s "
+                f"{self.peer_gbps / self.ceiling_gbps:.1%} of copy, peer/ours {self.peer_ratio:.2f}x{note}")
 
 
 def print_report(header: dict, ceiling_gbps: float, rows: list[BenchRow], json_path: str | None) -> None:

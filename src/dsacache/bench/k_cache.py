@@ -14,7 +14,8 @@ import statistics
 
 import torch
 
-from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
+from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda, time_graph
+from dsacache.bench.peers import attach_peer, peer_for
 from dsacache.formats.indexer_key import split_indexer_pages
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.indexer_k_cache import (
@@ -79,21 +80,44 @@ def _entries(pool, values, scales):
     return values, naive.typed_entries(values, scales, pool.fmt)[1]
 
 
-def check_store(pool, mode, k, weight, bias, slots):
-    """Entries match the reference; clearing them back to the sentinel leaves a pristine pool."""
+def store_mismatch(pool, pages, mode, k, weight, bias, slots) -> tuple[float, float]:
+    """Shares of value bytes and of scales at ``slots`` of ``pages`` (in ``pool``'s key format)
+    that differ from the reference's quantization of ``k`` (LayerNorm'd first for ``fused``)."""
     page, row = slots // KERNEL_PAGE_SIZE, slots % KERNEL_PAGE_SIZE
-    values, scales = split_indexer_pages(pool.pages, pool.fmt)
+    values, scales = split_indexer_pages(pages, pool.fmt)
     x = naive.layer_norm(k, weight, bias, 1e-6) if mode == "fused" else k
     want_values, want_scales = _entries(pool, *naive.quantized_bytes(x, pool.fmt))
     got_values, got_scales = _entries(pool, values[page, row], scales[page, row])
-    value_mismatch = float((got_values != want_values).float().mean())
-    scale_mismatch = float((got_scales != want_scales).float().mean())
+    return float((got_values != want_values).float().mean()), float((got_scales != want_scales).float().mean())
+
+
+def _within_tolerance(mode, value_mismatch, scale_mismatch) -> bool:
     # FP8: the hardware cast and torch's may differ by a code on rare ties; fused: LayerNorm last bits.
-    if value_mismatch > 0.01 or scale_mismatch > (0.0 if mode != "fused" else 1e-3):
+    return value_mismatch <= 0.01 and scale_mismatch <= (0.0 if mode != "fused" else 1e-3)
+
+
+def check_store(pool, mode, k, weight, bias, slots):
+    """Entries match the reference; clearing them back to the sentinel leaves a pristine pool."""
+    value_mismatch, scale_mismatch = store_mismatch(pool, pool.pages, mode, k, weight, bias, slots)
+    if not _within_tolerance(mode, value_mismatch, scale_mismatch):
         raise CorrectnessError(f"{pool.fmt.name} {mode}: {value_mismatch:.2%} values, {scale_mismatch:.2%} scales differ")
     clear(pool, slots)
     if not bool((pool.raw == SENTINEL).all()):
         raise CorrectnessError(f"{pool.fmt.name} {mode}: bytes outside the slots were written")
+
+
+def peer_store_agreement(pool, k, slots, cache) -> tuple[bool, str]:
+    """The peer's FP8 plain store (``cache``: contiguous pages, zeros before) against the same
+    reference and tolerance as ours, and no byte written outside the slots: ``(agrees, note)``."""
+    value_mismatch, scale_mismatch = store_mismatch(pool, cache, "plain", k, None, None, slots)
+    note = f"{value_mismatch:.2%} values, {scale_mismatch:.2%} scales differ" if value_mismatch or scale_mismatch else ""
+    rest = cache.clone()
+    values, scales = split_indexer_pages(rest, pool.fmt)
+    values[slots // KERNEL_PAGE_SIZE, slots % KERNEL_PAGE_SIZE] = 0
+    scales[slots // KERNEL_PAGE_SIZE, slots % KERNEL_PAGE_SIZE] = 0
+    if rest.any():
+        return False, "bytes outside the slots were written"
+    return _within_tolerance("plain", value_mismatch, scale_mismatch), note
 
 
 def clear(pool, slots):
@@ -112,18 +136,6 @@ def make_inputs(pool, num_tokens):
     bias = torch.randn(head_dim, device=device) * 0.1
     slots = torch.randperm(pool.num_slots, device=device)[:num_tokens]
     return k, weight, bias, slots
-
-
-def time_graph(fn, calls: int = 20) -> float:
-    """Milliseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (device time,
-    no host overhead: how a CUDA-graph-captured step runs it)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_cuda(graph.replay, warmup=2, rep=10, spin=True) / calls
 
 
 def _launch_floor() -> tuple[float, float]:
@@ -156,10 +168,19 @@ def store_rows(args, fmt, launch_ms, device="cuda"):
                 extra.update(launch_graph_us=round(launch_ms[0] * 1e3, 2), launch_eager_us=round(launch_ms[1] * 1e3, 1))
             rows.append(BenchRow(f"store {fmt} {mode}", f"T={n} D={head_dim} bf16 random", ms, nbytes,
                                  args.ceiling_gbps, extra))
+            if (fmt, mode) == ("fp8", "plain"):
+                _attach_store_peer(args, rows[-1], pool, k, slots)
     rows += _extra_store_rows(args, pool)
     del pool
     torch.cuda.empty_cache()
     return rows
+
+
+def _attach_store_peer(args, row, pool, k, slots):
+    """vLLM's FP8 store on the row's keys and (first) slots, into a contiguous cache of the pool's page count."""
+    peer = peer_for(args, "store")
+    attach_peer(row, peer, lambda: peer.make_call(k, slots, pool.pages.shape[0]),
+                lambda cache: peer_store_agreement(pool, k, slots, cache), timer=time_graph)
 
 
 def _repeated_ms(pool, mode, k, weight, bias, first_ms):

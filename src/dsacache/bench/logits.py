@@ -5,17 +5,22 @@ between two of this layer's), and the block table is a random permutation, so th
 kernel sees the access pattern of a packed cache. Bytes moved: every cached key entry
 (values + scales) read once plus the fp32 logits written.
 
-Times are CUDA-graph replays of the public function (how decode steps run in serving
-engines); ``eager_us`` beside them adds the Python launch overhead of one call.
+Times are CUDA-graph replays of the public function (``harness.time_graph``: how decode
+steps run in serving engines); ``eager_us`` beside them adds the Python launch overhead of
+one call. With ``--peers``, DeepGEMM's paged logits runs on each FP8 row's inputs, is checked
+against the same reference inside each row's length and timed the same way; MXFP4 rows carry
+their speed-up over that DeepGEMM FP8 time (DeepGEMM has no MXFP4 reader on Hopper).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
-from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
+from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda, time_graph
+from dsacache.bench.peers import attach_peer, peer_for
 from dsacache.formats.indexer_key import fp8_page_views, mxfp4_page_views, quantize_fp8, quantize_mxfp4
 from dsacache.formats.key_format import IndexerKeyFormat, indexer_entry_bytes
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
@@ -26,11 +31,16 @@ HEAD_DIM = 128
 TOLERANCE = {"fp8": 1e-3, "mxfp4": 2e-2}
 #: Tokens quantized at a time while filling the pool (bounds the fp32 temporaries).
 FILL_CHUNK = 1 << 20
+#: ``--shapes wide``: (batch, ctx) pairs off the target shapes, to see that no shape is tuned alone.
+WIDE_SHAPES = ((32, 8192), (32, 65536), (128, 8192), (128, 65536))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, nargs="+", default=[64])
     parser.add_argument("--ctx", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--shapes", choices=["grid", "wide"], default="grid",
+                        help="grid: every --batch with every --ctx; wide: B 32 and 128 at ctx 8K and 64K "
+                             "(--batch and --ctx are then ignored)")
     parser.add_argument("--heads", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--next-n", type=int, default=1)
     parser.add_argument("--formats", nargs="+", default=["fp8", "mxfp4"], choices=["fp8", "mxfp4"])
@@ -38,18 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time a grid of launch settings at the largest shape and print each")
 
 
-def time_graph(fn) -> float:
-    """Median ms of ``fn`` captured once in a CUDA graph and replayed (device time: the
-    host's launch latency is hidden behind a spin kernel, see ``time_cuda``)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_cuda(graph.replay, spin=True)
+def shape_pairs(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The (batch, ctx) pairs to time."""
+    if args.shapes == "wide":
+        return list(WIDE_SHAPES)
+    return list(itertools.product(args.batch, args.ctx))
 
 
 def calc_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -85,8 +88,8 @@ def make_inputs(batch: int, ctx: int, heads: int, next_n: int, pages: torch.Tens
     return q, weights, seq_lens, block_table
 
 
-def check(args_tuple, fmt: str, max_model_len: int) -> float:
-    """Run both paths once; raise CorrectnessError unless they agree."""
+def check(args_tuple, fmt: str, max_model_len: int) -> tuple[float, torch.Tensor]:
+    """Run both paths once; raise CorrectnessError unless they agree. Returns (calc-diff, reference)."""
     out = paged_decode_logits(*args_tuple, max_model_len=max_model_len, impl="triton")
     ref = paged_decode_logits(*args_tuple, max_model_len=max_model_len, impl="torch")
     if not torch.equal(torch.isneginf(out), torch.isneginf(ref)) or torch.isnan(out).any():
@@ -94,7 +97,14 @@ def check(args_tuple, fmt: str, max_model_len: int) -> float:
     diff = calc_diff(out, ref)
     if diff > TOLERANCE[fmt]:
         raise CorrectnessError(f"{fmt} logits: calc-diff {diff:.2e} > {TOLERANCE[fmt]:.0e}")
-    return diff
+    return diff, ref
+
+
+def peer_agreement(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
+    """A peer's FP8 logits against the reference where the reference is finite (inside each row's
+    length: the peer leaves the rest undefined), with the FP8 tolerance: ``(agrees, note)``."""
+    diff = calc_diff(out, ref)
+    return diff <= TOLERANCE["fp8"], f"calc-diff {diff:.1e}"
 
 
 def sweep_configs(fmt: str) -> list[dict]:
@@ -130,41 +140,55 @@ def run_sweep(args_tuple, fmt: str, max_model_len: int, ceiling: float, nbytes: 
               f"{'' if ok else ' WRONG'}", flush=True)
 
 
-def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict) -> BenchRow:
-    """Check, then time the public function on one shape (FP8 times are kept for the speedup column)."""
-    heads = inputs[0].shape[2]
-    diff = check(inputs, fmt, ctx)
+def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, peer_ms: dict) -> BenchRow:
+    """Check, then time the public function on one shape; FP8 rows get the peer beside them.
+    FP8 times (ours and the peer's) are kept by shape for the MXFP4 rows' speed-up columns."""
+    batch, heads = inputs[0].shape[0], inputs[0].shape[2]
+    diff, ref = check(inputs, fmt, ctx)
     def call():
         return paged_decode_logits(*inputs, max_model_len=ctx)
     ms = time_graph(call)
     extra = {"calc_diff": f"{diff:.1e}", "eager_us": f"{time_cuda(call) * 1e3:.1f}"}
-    if fmt == "fp8":
-        fp8_ms[(ctx, heads)] = ms
-    elif (ctx, heads) in fp8_ms:
-        extra["speedup_vs_fp8"] = f"{fp8_ms[(ctx, heads)] / ms:.2f}x"
-    shape = f"{fmt} B={args.batch} ctx={ctx} H={heads} next_n={args.next_n}"
+    key = (batch, ctx, heads)
+    if fmt == "mxfp4" and key in fp8_ms:
+        extra["speedup_vs_fp8"] = f"{fp8_ms[key] / ms:.2f}x"
+    if fmt == "mxfp4" and key in peer_ms:
+        extra["deepgemm_fp8_us"] = f"{peer_ms[key] * 1e3:.1f}"
+        extra["speedup_vs_deepgemm_fp8"] = f"{peer_ms[key] / ms:.2f}x"
+    shape = f"{fmt} B={batch} ctx={ctx} H={heads} next_n={args.next_n}"
     from dsacache.ops.indexer_logits.launch import decode_kernel
 
     views = (mxfp4_page_views if fmt == "mxfp4" else fp8_page_views)(inputs[3], HEAD_DIM)
     extra["kernel"] = decode_kernel(inputs[0], views[0], views[1], IndexerKeyFormat(fmt, HEAD_DIM))
-    return BenchRow("paged_decode_logits", shape, ms, nbytes, args.ceiling_gbps, extra)
+    row = BenchRow("paged_decode_logits", shape, ms, nbytes, args.ceiling_gbps, extra)
+    if fmt == "fp8":
+        fp8_ms[key] = ms
+        peer = peer_for(args, "logits")
+        attach_peer(row, peer, lambda: peer.make_call(*inputs, ctx), lambda out: peer_agreement(out, ref),
+                    timer=time_graph)
+        if row.peer_ms is not None:
+            peer_ms[key] = row.peer_ms
+    return row
 
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
     device = torch.device("cuda")
     rows: list[BenchRow] = []
-    fp8_ms: dict[tuple[int, int], float] = {}
+    fp8_ms: dict[tuple[int, int, int], float] = {}
+    peer_ms: dict[tuple[int, int, int], float] = {}
+    pairs = shape_pairs(args)
+    largest_ctx = max(ctx for _, ctx in pairs)
     for fmt in args.formats:
         entry = indexer_entry_bytes(HEAD_DIM, fmt)
-        pages = make_pages(args.batch * max(args.ctx) // KERNEL_PAGE_SIZE, fmt, device)
-        for ctx in args.ctx:
+        pages = make_pages(max(batch * ctx for batch, ctx in pairs) // KERNEL_PAGE_SIZE, fmt, device)
+        for batch, ctx in pairs:
             for heads in args.heads:
-                q, weights, seq_lens, block_table = make_inputs(args.batch, ctx, heads, args.next_n, pages)
+                q, weights, seq_lens, block_table = make_inputs(batch, ctx, heads, args.next_n, pages)
                 inputs = (q, weights, seq_lens, pages, block_table)
-                nbytes = args.batch * ctx * entry + args.batch * args.next_n * ctx * 4
-                rows.append(time_row(args, inputs, fmt, ctx, nbytes, fp8_ms))
+                nbytes = batch * ctx * entry + batch * args.next_n * ctx * 4
+                rows.append(time_row(args, inputs, fmt, ctx, nbytes, fp8_ms, peer_ms))
                 print(rows[-1].line(), flush=True)
-                if args.sweep and ctx == max(args.ctx):
+                if args.sweep and ctx == largest_ctx:
                     run_sweep(inputs, fmt, ctx, args.ceiling_gbps, nbytes)
         del pages
         torch.cuda.empty_cache()

@@ -9,8 +9,10 @@ Reported: time a call (CUDA-graph replay of a window of back-to-back calls over 
 sets, median of the windows), the bytes a call must move (the entries gathered, indices, queries,
 out and lse) and the GB/s that makes against the copy ceiling, and TFLOP/s counting
 ``2 * H * topk * (576 + 512)`` a query row, and the kernel that ran (Gluon on Hopper from 33
-heads, Triton otherwise; ``--sweep`` also times the other). ``build_pool`` and ``build_inputs`` make the inputs,
-so another kernel can be timed on the very same ones.
+heads, Triton otherwise; ``--sweep`` also times the other). ``build_pool`` and ``build_inputs``
+make the inputs, so another kernel can be timed on the very same ones: with ``--peers``,
+FlashMLA's sparse decode runs on them (12 heads padded to 64 with zero heads, as a user must),
+its output checked against the reference with the same bound, and is timed the same way.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import argparse
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
-from dsacache.bench.k_cache import time_graph as time_graph_window
+from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda, time_graph
+from dsacache.bench.peers import attach_peer, peer_for
 from dsacache.formats.mla_entry import MlaEntryFormat, encode_entries
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.sparse_mla import sparse_mla_decode
@@ -38,10 +41,9 @@ OUT_RMS = 1e-2
 LSE_REL = 1e-3
 #: Tokens encoded at a time while filling the pool (bounds the fp32 temporaries).
 FILL_CHUNK = 1 << 20
-#: Index sets a timing window rotates through, so one call's entries are not left in L2 for the next.
+#: Index sets a timing window rotates through, so one call's entries are not left in L2 for the next
+#: (a window of ``harness.WINDOW`` calls visits each as often).
 INDEX_SETS = 4
-#: Calls in one captured window.
-WINDOW = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,22 +97,47 @@ def build_inputs(batch: int, s_q: int, heads: int, topk: int, pages: torch.Tenso
     return MlaInputs(q, sets, 192 ** -0.5)
 
 
-def check(inputs: MlaInputs, pages: torch.Tensor, config: dict | None = None) -> float:
-    """The Triton path against the reference on the first index set; the out error, or CorrectnessError."""
-    ref_out, ref_lse = sparse_mla_decode(inputs.q, pages, inputs.indices, inputs.softmax_scale, impl="torch")
+def reference(inputs: MlaInputs, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch reference ``(out, lse)`` on the first index set."""
+    return sparse_mla_decode(inputs.q, pages, inputs.indices, inputs.softmax_scale, impl="torch")
+
+
+def out_error(out: torch.Tensor, ref_out: torch.Tensor) -> float:
+    """Relative RMS error of ``out`` against the reference's (NaN if ``out`` holds NaN)."""
+    return float((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30))
+
+
+def lse_error(lse: torch.Tensor, ref_lse: torch.Tensor) -> float:
+    """Largest relative error of ``lse`` ``[B, s_q, H]`` over the rows the reference has a slot for."""
+    live = torch.isfinite(ref_lse)
+    return float(((lse[live] - ref_lse[live]).abs() / ref_lse[live].abs().clamp_min(1.0)).max()) if live.any() else 0.0
+
+
+def check(inputs: MlaInputs, pages: torch.Tensor, config: dict | None = None,
+          ref: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+    """The Triton path against the reference (``ref``, or computed here) on the first index set;
+    the out error, or CorrectnessError."""
+    ref_out, ref_lse = reference(inputs, pages) if ref is None else ref
     out, lse = _triton_call(inputs, pages, inputs.indices, config)
     if torch.isnan(out).any() or torch.isnan(lse).any():
         raise CorrectnessError("sparse MLA: NaN in out or lse")
     if not torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)):
         raise CorrectnessError("sparse MLA: rows without a valid slot differ from the reference")
-    err = float((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30))
-    live = torch.isfinite(ref_lse)
-    lse_err = float(((lse[live] - ref_lse[live]).abs() / ref_lse[live].abs().clamp_min(1.0)).max()) \
-        if live.any() else 0.0
+    err, lse_err = out_error(out, ref_out), lse_error(lse, ref_lse)
     if not err < OUT_RMS or not lse_err < LSE_REL:
         raise CorrectnessError(f"sparse MLA: out rel. RMS error {err:.2e} (bound {OUT_RMS:.0e}), "
                                f"lse rel. error {lse_err:.2e} (bound {LSE_REL:.0e})")
     return err
+
+
+def peer_agreement(peer_out: tuple[torch.Tensor, torch.Tensor],
+                   ref: tuple[torch.Tensor, torch.Tensor]) -> tuple[bool, str]:
+    """FlashMLA's ``(out [B, s_q, H, 512], lse [B, H, s_q])`` against the reference: judged on
+    ``out`` with our bound; the note also gives the lse error against our natural-log lse."""
+    out, lse = peer_out
+    err = out_error(out, ref[0])
+    note = f"out rel. RMS error {err:.1e}, lse rel. error {lse_error(lse.transpose(1, 2), ref[1]):.1e}"
+    return err < OUT_RMS, note
 
 
 def _triton_call(inputs: MlaInputs, pages: torch.Tensor, indices: torch.Tensor, config: dict | None = None):
@@ -125,10 +152,24 @@ def _triton_call(inputs: MlaInputs, pages: torch.Tensor, indices: torch.Tensor, 
     return out, lse
 
 
+def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call that runs ``calls`` in turn: captured back to back, a window visits every index set."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
 def time_window(inputs: MlaInputs, pages: torch.Tensor, config: dict | None = None) -> float:
-    """Milliseconds a call: a CUDA graph of WINDOW back-to-back calls rotating over the index sets."""
-    sets = itertools.cycle(inputs.index_sets)
-    return time_graph_window(lambda: _triton_call(inputs, pages, next(sets), config), calls=WINDOW)
+    """Milliseconds a call: ``harness.time_graph`` of calls rotating over the index sets."""
+    return time_graph(rotating([lambda idx=idx: _triton_call(inputs, pages, idx, config) for idx in inputs.index_sets]))
+
+
+def _attach_flashmla(args, row: BenchRow, inputs: MlaInputs, pages: torch.Tensor, ref) -> None:
+    """FlashMLA's sparse decode on the same queries, pages and rotating index sets, checked on the
+    first set against the reference (12 heads run padded to 64, as a user must)."""
+    peer = peer_for(args, "sparse_mla")
+    attach_peer(row, peer, lambda: rotating([peer.make_call(inputs.q, pages, idx, inputs.softmax_scale)
+                                             for idx in inputs.index_sets]),
+                lambda out: peer_agreement(out, ref), timer=time_graph)
 
 
 def moved_bytes(batch: int, s_q: int, heads: int, topk: int) -> int:
@@ -192,7 +233,8 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
     for text in args.shapes:
         batch, s_q, heads = parse_shape(text)
         inputs = build_inputs(batch, s_q, heads, args.topk, pages)
-        err = check(inputs, pages)
+        ref = reference(inputs, pages)
+        err = check(inputs, pages, ref=ref)
         ms = time_window(inputs, pages)
         nbytes, work = moved_bytes(batch, s_q, heads, args.topk), flops(batch, s_q, heads, args.topk)
         kernel = decode_kernel(inputs.q, pages, FMT)
@@ -202,6 +244,7 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
                  "config": f"{kernel},BH={cfg['BH']},BLOCK_N={cfg['BLOCK_N']},splits={cfg['splits']}"}
         row = BenchRow("sparse_mla_decode", f"fp8_ds_mla B={batch} s_q={s_q} H={heads} topk={args.topk}", ms,
                        nbytes, args.ceiling_gbps, extra)
+        _attach_flashmla(args, row, inputs, pages, ref)
         print(row.line(), flush=True)
         rows.append(row)
         if args.sweep:

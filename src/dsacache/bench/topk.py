@@ -2,8 +2,10 @@
 
 The kernel's output must equal the PyTorch reference exactly (same set, same order:
 ascending positions, ties to the lower position) before it is timed. Bytes moved: the
-logits read once plus the int32 positions written. Times are CUDA-graph replays;
-``eager_us`` adds the Python launch overhead of one call.
+logits read once plus the int32 positions written. Times are CUDA-graph replays
+(``harness.time_graph``); ``eager_us`` adds the Python launch overhead of one call. With
+``--peers``, vLLM's persistent top-k runs on the same rows, its sets checked against the
+reference (another choice among tied logits is accepted and noted), and is timed the same way.
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ import itertools
 
 import torch
 
-from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
-from dsacache.bench.logits import time_graph
+from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda, time_graph
+from dsacache.bench.peers import attach_peer, peer_for, topk_agreement
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.topk import positions_to_slots, topk_indices
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--len", dest="lens", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--len", dest="lens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
     parser.add_argument("-k", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time a few launch settings per shape")
     parser.add_argument("--dist", nargs="+", default=["randn"], choices=list(DISTRIBUTIONS),
@@ -100,7 +102,8 @@ def make_logits(rows: int, length: int, seed: int = 0, dist: str = "randn",
     return logits, seq_lens
 
 
-def check(logits: torch.Tensor, seq_lens: torch.Tensor, k: int) -> None:
+def check(logits: torch.Tensor, seq_lens: torch.Tensor, k: int) -> torch.Tensor:
+    """The kernel against the reference, twice (exact and deterministic); returns the reference."""
     out = topk_indices(logits, seq_lens, k, impl="triton")
     ref = topk_indices(logits, seq_lens, k, impl="torch")
     if not torch.equal(out, ref):
@@ -109,6 +112,7 @@ def check(logits: torch.Tensor, seq_lens: torch.Tensor, k: int) -> None:
     again = topk_indices(logits, seq_lens, k, impl="triton")
     if not torch.equal(out, again):
         raise CorrectnessError("top-k is not deterministic across two runs")
+    return ref
 
 
 def check_slots(positions: torch.Tensor, block_table: torch.Tensor) -> None:
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
     rows: list[BenchRow] = []
     for batch, length, dist in itertools.product(args.batch, args.lens, args.dist):
         logits, seq_lens = make_logits(batch, length, dist=dist)
-        check(logits, seq_lens, args.k)
+        ref = check(logits, seq_lens, args.k)
         ms = time_graph(lambda: topk_indices(logits, seq_lens, args.k))
         eager_ms = time_cuda(lambda: topk_indices(logits, seq_lens, args.k))
         torch_ms = time_graph(lambda: torch.topk(logits, args.k, dim=1))
@@ -133,6 +137,9 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
         rows.append(BenchRow("topk_indices", shape, ms, nbytes, args.ceiling_gbps,
                              {"eager_us": f"{eager_ms * 1e3:.1f}", "torch.topk_us": f"{torch_ms * 1e3:.1f}",
                               "select": select_kernel(logits, args.k)}))
+        peer = peer_for(args, "topk")
+        attach_peer(rows[-1], peer, lambda: peer.make_call(logits, seq_lens, args.k),
+                    lambda out: topk_agreement(out, ref, logits), timer=time_graph)
         print(rows[-1].line(), flush=True)
 
         positions = topk_indices(logits, seq_lens, args.k)

@@ -102,4 +102,7 @@ def conv_indexed_kernel(
         tile = _extended_tile(x_ptr, stride_x, bos, num_tokens, state_row_ptr, stride_r, first_row, has_state,
                               e, cols, col_mask, W)
         state_ptrs = state_row_ptr + j.to(tl.int64)[:, None] * stride_r + cols[None, :]
+        # The new rows overwrite rows this program's other threads read (history shifts up): every
+        # thread's loads, the output's included, must be done before any thread stores.
+        tl.debug_barrier()
         tl.store(state_ptrs, tile.to(state_ptr.dtype.element_ty), mask=(j < keep)[:, None] & col_mask[None, :])
