@@ -59,3 +59,15 @@ def test_no_citation_outside_the_repository(doc: Path):
     text = doc.read_text()
     cited = [name for name in OUTSIDE if name in text]
     assert not cited, f"{doc.relative_to(ROOT)} cites files outside the repository: {cited}"
+
+
+def test_code_cites_only_repository_docs():
+    """Source and tests point to docs/ for the facts they rely on, never to notes outside the repository."""
+    cited = []
+    for path in sorted([*(ROOT / "src").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]):
+        if path.name == "test_docs.py":
+            continue
+        text = path.read_text()
+        cited += [f"{path.relative_to(ROOT)}: {name}" for name in OUTSIDE if name in text]
+        cited += [f"{path.relative_to(ROOT)}: bare formats.md" for _ in re.finditer(r"(?<!docs/)\bformats\.md", text)]
+    assert not cited, cited

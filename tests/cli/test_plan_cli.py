@@ -1,6 +1,6 @@
 """``dsacache plan``, run as the real command in a subprocess.
 
-Expected figures are hand-computed from ``packing.md`` (see tests/planner/test_layout.py
+Expected figures are hand-computed from ``docs/planning.md`` (see tests/planner/test_layout.py
 for the arithmetic). Every bad input must exit 2 with a ``dsacache: error`` / argparse
 ``error:`` line naming the setting, and never print a traceback.
 """

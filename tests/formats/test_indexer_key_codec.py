@@ -1,4 +1,4 @@
-"""The reference indexer-key codecs against ``formats.md``, checked by hand.
+"""The reference indexer-key codecs against ``docs/formats.md``, checked by hand.
 
 Scales are compared with plain Python math on float64 (``2**ceil(log2(...))``). The code
 picks them by exact integer arithmetic on the fp32 bits; for fp32 inputs the two agree:

@@ -1,4 +1,4 @@
-"""Byte accounting of ``packing.md``, checked against numbers worked out by hand.
+"""Byte accounting of ``docs/planning.md``, checked against numbers worked out by hand.
 
 Every expected value below is a literal computed from the spec's formulas (the
 arithmetic is spelled out beside the less obvious ones); nothing is derived by

@@ -1,6 +1,6 @@
 """The packed block row: block size, states per row, offsets, re-cutting and the TP table.
 
-Expected numbers are worked out by hand from ``packing.md`` (see the comments):
+Expected numbers are worked out by hand from ``docs/planning.md`` (see the comments):
 ``units = ceil(states_per_row x state_bytes x tp / (64 x reference_tp x row_bytes_per_token))``,
 ``block_size = 64 x units x reference_tp / tp``, ``reference_tp = lcm(8, tp)``.
 """

@@ -1,6 +1,6 @@
 """Property tests over random valid KDA-hybrid DSA configs (hypothesis).
 
-The oracle is ``packing.md`` restated independently below (``_spec_*``); the
+The oracle is ``docs/planning.md`` restated independently below (``_spec_*``); the
 properties are the ones the spec promises: the row holds its states, rounding waste
 stays under one alignment unit at the reference TP, and block sizes at TP sizes
 dividing the reference TP divide each other.

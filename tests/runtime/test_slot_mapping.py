@@ -1,4 +1,4 @@
-"""Slot mapping: the worked examples of formats.md, DCP ownership, ragged batches, errors,
+"""Slot mapping: the worked examples of docs/formats.md, DCP ownership, ragged batches, errors,
 and the Triton kernel (interpreter on CPU) against the PyTorch reference."""
 
 import random

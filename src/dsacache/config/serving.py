@@ -1,7 +1,7 @@
 """Serving options and the frozen, validated :class:`CacheConfig` (pure Python).
 
 Option names follow vLLM's launch flags so a user can paste them. Every refusal in
-``packing.md`` is raised here, once, as a :class:`ConfigError` (a ``ValueError``) or a
+``docs/planning.md`` is raised here, once, as a :class:`ConfigError` (a ``ValueError``) or a
 ``NotImplementedError`` that names the setting and the allowed values.
 """
 

@@ -1,4 +1,4 @@
-"""Byte accounting of ``packing.md`` (per token, per layer, per TP rank). Pure Python."""
+"""Byte accounting of ``docs/planning.md`` (per token, per layer, per TP rank). Pure Python."""
 
 from __future__ import annotations
 

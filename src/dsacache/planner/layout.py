@@ -1,6 +1,6 @@
 """The planner: a :class:`CacheConfig` in, a :class:`CacheLayout` out. Pure Python.
 
-For a KDA-hybrid DSA model the layout is the packed block row of ``packing.md``: equal
+For a KDA-hybrid DSA model the layout is the packed block row of ``docs/planning.md``: equal
 rows that hold either ``block_size`` tokens of every attention layer (an attention row)
 or ``states_per_row`` KDA states (a state row). Other models get a plain paged layout
 whose rows are single 64-token kernel pages. Byte pictures: ``docs/layout.md``.
@@ -214,7 +214,7 @@ def attention_rows_for(num_tokens: int, block_size: int, dcp_world_size: int = 1
 
 
 def packed_block_size(config: CacheConfig, row_bytes_per_token: int, states_per_row: int) -> tuple[int, int]:
-    """(block_size, reference_tp): the TP-invariant packed block size of ``packing.md``.
+    """(block_size, reference_tp): the TP-invariant packed block size of ``docs/planning.md``.
 
     ``reference_tp = lcm(config.reference_tp, tp)``; the number of alignment units is
     computed at the reference TP (where the state is smallest) and the block scaled by
