@@ -214,7 +214,7 @@ def test_conv_kernel_builds_for_hopper():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dsacache.ops.kda.triton_kernels import conv_indexed_kernel as kernel
+from dsacache.ops.kda.conv import conv_indexed_kernel as kernel
 
 signature = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*bf16", "stride_o": "i32", "state_ptr": "*bf16",
              "stride_n": "i64", "stride_r": "i32", "index_ptr": "*i32", "accepted_ptr": "*i32", "initial_ptr": "*i1",

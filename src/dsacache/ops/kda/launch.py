@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from dsacache.ops.kda.triton_kernels import conv_indexed_kernel
+from dsacache.ops.kda.conv import conv_indexed_kernel
 
 #: Channels a program covers: 256 bf16 = 512 B a row, enough in flight for a memory-bound op.
 BLOCK_C = 256
