@@ -41,7 +41,8 @@ def test_packed_rows_hold_more_requests_than_power_of_two_rows(k31_mxfp4):
         assert 0 < result.prefix_hit_rate < 1
 
 
-def test_report_text_and_dict(k31, capsys):
+def test_report_text_and_dict(k31, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)  # the bar draws only on a terminal
     report = run_simulation(k31, k31.with_block_size(k31.pow2_block_size), SMALL, progress=True)
     text = report.to_text()
     for label in ("peak concurrency", "row utilisation", "prefix hit rate", "admission refusals", "power-of-two"):
@@ -105,3 +106,11 @@ def test_checkpoints_skip_the_prefill_of_shared_prefixes(k31):
     alone = Replay("packed", k31, Workload(num_requests=40, arrival_rate=8.0, prompt_len_median=3000,
                                            output_len_median=20, shared_prefix_fraction=0.0, seed=2)).run()
     assert alone.prefill_tokens_saved == 0  # unique prompts: checkpoints are saved but never restored
+
+
+def test_progress_bar_stays_off_a_stderr_that_is_not_a_terminal(capsys):
+    from dsacache.sim.replay import Progress
+
+    bar = Progress("x", 10, enabled=True)
+    bar.update(10)
+    assert capsys.readouterr().err == ""

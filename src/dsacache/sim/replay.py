@@ -97,9 +97,11 @@ class _Usage:
 
 
 class Progress:
-    """A plain-text progress bar on stderr (redrawn in place, one line per task)."""
+    """A plain-text progress bar on stderr (redrawn in place, one line per task); drawn only when
+    ``enabled`` and stderr is a terminal (a log file or a pipe gets no carriage-return noise)."""
 
     def __init__(self, label: str, total: int, enabled: bool, width: int = 30) -> None:
+        enabled = enabled and sys.stderr.isatty()
         self.label, self.total, self.enabled, self.width = label, max(total, 1), enabled, width
         self._shown = -1
 
