@@ -38,7 +38,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dsacache.bench.harness import SPIN_CYCLES, BenchRow, CorrectnessError, time_cuda
+from dsacache.bench.harness import SPIN_CYCLES, BenchRow, CorrectnessError, capture_graph, time_cuda
 from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.layers import DsaDecodeInputs
 from dsacache.ops.topk import topk_indices
@@ -196,21 +196,13 @@ def step_hbm_bytes(step: DcpDsaDecodeStep, local_ctx: int, layers: int) -> int:
 # Timing (CUDA) -------------------------------------------------------------------------------
 
 def graphed(fn):
-    """``fn`` captured once in a CUDA graph (after a warm-up on a side stream); returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    """``fn`` captured once in a CUDA graph; returns the replay."""
     try:
         # thread_local: the NCCL watchdog thread may query its events while this thread captures.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            fn()
+        return capture_graph(fn, error_mode="thread_local").replay
     except RuntimeError as err:
         raise RuntimeError(f"capturing the step in a CUDA graph failed ({err}); time it eagerly with --no-graph") \
             from err
-    return graph.replay
 
 
 def time_group(fn, group, warmup: int = 3, rep: int = 20) -> float:

@@ -103,6 +103,25 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30, spin: bo
     return median_ms(lambda: _event_ms(fn, spin), warmup=0, rep=rep)
 
 
+def capture_graph(fn: Callable[[], object], calls: int = 1, error_mode: str = "global") -> torch.cuda.CUDAGraph:
+    """``calls`` back-to-back calls of ``fn`` captured in one CUDA graph.
+
+    ``fn`` runs once first on a side stream (compilation, lazy allocations stay out of the
+    graph). ``error_mode`` is ``torch.cuda.graph``'s ``capture_error_mode`` (``"thread_local"``
+    when another thread, such as NCCL's watchdog, touches CUDA during the capture).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=error_mode):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def time_graph(fn: Callable[[], object], window: int = WINDOW, windows: int = WINDOWS) -> float:
     """Milliseconds per call of ``fn``, device time, as a CUDA-graph-captured decode step runs it.
 
@@ -113,15 +132,7 @@ def time_graph(fn: Callable[[], object], window: int = WINDOW, windows: int = WI
     one function, so their times compare.
     """
     _check_window(window, windows)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(window):
-            fn()
+    graph = capture_graph(fn, calls=window)
     return window_median_ms(lambda: _event_ms(graph.replay, spin=True), window, windows)
 
 

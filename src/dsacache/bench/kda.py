@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda
+from dsacache.bench.harness import BenchRow, CorrectnessError, capture_graph, time_cuda
 from dsacache.ops.kda import causal_conv1d_prefill_indexed, causal_conv1d_update_indexed, kda_decode, kda_prefill
 from dsacache.planner import CacheConfig, plan
 from dsacache.runtime import CachePool
@@ -32,15 +32,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk size")
 
 
-def time_graph(fn, calls: int = 1) -> float:
+def replay_ms(fn, calls: int = 1) -> float:
     """Milliseconds of ``calls`` calls of ``fn`` replayed from one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_cuda(graph.replay, warmup=3, rep=20, spin=True)
+    return time_cuda(capture_graph(fn, calls).replay, warmup=3, rep=20, spin=True)
 
 
 def _step_inputs(batch, seed=0):
@@ -96,7 +90,7 @@ def decode_rows(args) -> list[BenchRow]:
 
         state_bytes = HEADS * DIM * DIM * 4
         nbytes = len(layers) * batch * (2 * state_bytes + 5 * HEADS * DIM * 2)
-        pool_ms, dense_ms = time_graph(pool_step), time_graph(dense_step)
+        pool_ms, dense_ms = replay_ms(pool_step), replay_ms(dense_step)
         ratio = pool_ms / dense_ms
         shape = f"B={batch} {len(layers)} layers {HEADS}x{DIM}x{DIM}"
         rows.append(BenchRow("kda decode step, pool", shape, pool_ms, nbytes, args.ceiling_gbps,
@@ -127,7 +121,7 @@ def conv_rows(args) -> list[BenchRow]:
                     ref.float().abs().max() * 2 ** -7:
                 raise CorrectnessError(f"conv update B={batch} next_n={next_n} differs from its twin")
             out = torch.empty_like(x)
-            ms = time_graph(lambda: causal_conv1d_update_indexed(x, states, index, weight, **kw, out=out,
+            ms = replay_ms(lambda: causal_conv1d_update_indexed(x, states, index, weight, **kw, out=out,
                                                                  check_indices=False), calls=20) / 20
             kept = WIDTH - 2 + next_n
             nbytes = batch * CHANNELS * 2 * ((WIDTH - 1) + kept + 2 * next_n)
