@@ -45,3 +45,18 @@ def run_compiled_script(script: str) -> str:
                           check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
+
+
+#: A tiny KDA-hybrid DSA model for CPU tests: 7 layers (DSA at 4 and 7, KDA elsewhere), 4 KDA heads
+#: of 16 with a width-4 conv, an indexer of 4 x 32 with LayerNorm keys; rows are a few hundred KB.
+TINY_HYBRID = {
+    "num_hidden_layers": 7,
+    "kv_lora_rank": 128,
+    "qk_rope_head_dim": 0,
+    "linear_attn_config": {
+        "kda_layers": [1, 2, 3, 5, 6], "full_attn_layers": [4, 7],
+        "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
+    },
+    "dsa_config": {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 64,
+                   "index_k_norm_type": "layernorm", "index_rope_dim": 0},
+}

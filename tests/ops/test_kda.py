@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from dsacache.ops.kda import causal_conv1d_prefill_indexed, causal_conv1d_update_indexed, kda_decode, kda_prefill
 from dsacache.planner import CacheConfig, SpeculativeConfig, plan
 from dsacache.runtime import CachePool, RowAllocator, build_kda_metadata
-from tests.helpers import run_compiled_script, triton_available
+from tests.helpers import TINY_HYBRID, run_compiled_script, triton_available
 
 fla_naive = pytest.importorskip("fla.ops.kda.naive")
 
@@ -27,17 +27,7 @@ SENTINEL = 0xA5
 W = 4  # conv width
 H, D = 2, 16  # heads, head dim of the op-level tests
 TOL = 1e-5
-TINY = {
-    "num_hidden_layers": 7,
-    "kv_lora_rank": 128,
-    "qk_rope_head_dim": 0,
-    "linear_attn_config": {
-        "kda_layers": [1, 2, 3, 5, 6], "full_attn_layers": [4, 7],
-        "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": W,
-    },
-    "dsa_config": {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 64,
-                   "index_k_norm_type": "layernorm", "index_rope_dim": 0},
-}
+TINY = TINY_HYBRID
 
 
 def tiny_pool(num_rows=8, num_spec=0):

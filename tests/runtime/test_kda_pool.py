@@ -6,19 +6,10 @@ import torch
 
 from dsacache.planner import CacheConfig, SpeculativeConfig, plan
 from dsacache.runtime import CachePool
+from tests.helpers import TINY_HYBRID
 
 W = 4
-TINY = {
-    "num_hidden_layers": 7,
-    "kv_lora_rank": 128,
-    "qk_rope_head_dim": 0,
-    "linear_attn_config": {
-        "kda_layers": [1, 2, 3, 5, 6], "full_attn_layers": [4, 7],
-        "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": W,
-    },
-    "dsa_config": {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 64,
-                   "index_k_norm_type": "layernorm", "index_rope_dim": 0},
-}
+TINY = TINY_HYBRID
 
 
 def tiny_pool(num_rows, num_spec=0):

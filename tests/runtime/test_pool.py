@@ -7,21 +7,11 @@ import torch
 from dsacache.formats.indexer_key import dequantize_pages, fp8_page_views, quantize_fp8
 from dsacache.planner import CacheConfig, SpeculativeConfig, plan
 from dsacache.runtime import CachePool, build_block_table, compute_slot_mapping, kernel_pages
+from tests.helpers import TINY_HYBRID
 
 SENTINEL = 0xA5
 
-# A tiny KDA-hybrid DSA model: 7 layers (DSA at 4 and 7), so rows are a few hundred KB.
-TINY = {
-    "num_hidden_layers": 7,
-    "kv_lora_rank": 128,
-    "qk_rope_head_dim": 0,
-    "linear_attn_config": {
-        "kda_layers": [1, 2, 3, 5, 6], "full_attn_layers": [4, 7],
-        "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
-    },
-    "dsa_config": {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 64,
-                   "index_k_norm_type": "layernorm", "index_rope_dim": 0},
-}
+TINY = TINY_HYBRID
 DRAFT = {"method": "dspark", "num_speculative_tokens": 2,
          "draft_config": {"num_hidden_layers": 2, "kv_lora_rank": 128, "qk_rope_head_dim": 16}}
 
