@@ -489,20 +489,25 @@ def _k31_gpu_pool():
     return _gpu_pool(2048, MlaEntryFormat.of("fp8_ds_mla", 512, 64))
 
 
+def _k31_gpu_case(batch, s_q, heads, topk):
+    """A GPU case on the shared 656-B pool: ``topk`` random slots a row with -1 scattered, the first
+    row empty, the last row's last 40 % past the pool; the fp32 reference of it."""
+    fmt = MlaEntryFormat.of("fp8_ds_mla", 512, 64)
+    raw, pages = _k31_gpu_pool()
+    q = make_queries(batch, s_q, heads, fmt, "cuda")
+    idx = random_indices(batch, s_q, topk, 2048 * 64, "cuda", none_every=11)
+    idx[0, 0] = -1
+    idx[-1, -1, topk * 3 // 5:] = 2048 * 64 + 5
+    return fmt, raw, raw.clone(), pages, q, idx, run(q, pages, idx, 576 ** -0.5, "torch")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,s_q,heads", [(64, 1, 12), (64, 2, 12), (64, 1, 64), (64, 2, 64), (64, 1, 128),
                                              (16, 2, 128), (3, 4, 1), (5, 3, 24), (8, 1, 96)])
 def test_gpu_matches_reference_k31_shapes(batch, s_q, heads):
     """656-B entries, top-k 2048 random slots with -1 scattered and some rows empty, in a strided
     pool; the launcher's own settings and split count, then forced 1 and 4 splits."""
-    fmt = MlaEntryFormat.of("fp8_ds_mla", 512, 64)
-    raw, pages = _k31_gpu_pool()
-    before = raw.clone()
-    q = make_queries(batch, s_q, heads, fmt, "cuda")
-    idx = random_indices(batch, s_q, 2048, 2048 * 64, "cuda", none_every=11)
-    idx[0, 0] = -1
-    idx[-1, -1, 1000:] = 2048 * 64 + 5
-    ref = run(q, pages, idx, 576 ** -0.5, "torch")
+    fmt, raw, before, pages, q, idx, ref = _k31_gpu_case(batch, s_q, heads, 2048)
     assert_close_to_reference(*run(q, pages, idx, 576 ** -0.5, "triton"), *ref)
     for splits in (1, 4):
         assert_close_to_reference(*launch(q, pages, idx, 576 ** -0.5, fmt, None, {"splits": splits}), *ref)
@@ -617,14 +622,7 @@ def test_gpu_gluon_kernel_matches_reference(config, batch, s_q, heads):
     pool, a partial last tile (top-k 1000), padded heads (12 and 40 of 64), two head blocks, splits;
     the pool untouched."""
     require_hopper()
-    fmt = MlaEntryFormat.of("fp8_ds_mla", 512, 64)
-    raw, pages = _k31_gpu_pool()
-    before = raw.clone()
-    q = make_queries(batch, s_q, heads, fmt, "cuda")
-    idx = random_indices(batch, s_q, 1000, 2048 * 64, "cuda", none_every=11)
-    idx[0, 0] = -1
-    idx[-1, -1, 600:] = 2048 * 64 + 5
-    ref = run(q, pages, idx, 576 ** -0.5, "torch")
+    fmt, raw, before, pages, q, idx, ref = _k31_gpu_case(batch, s_q, heads, 1000)
     assert_close_to_reference(*launch(q, pages, idx, 576 ** -0.5, fmt, None, {"kernel": "gluon", **config}), *ref)
     assert torch.equal(raw, before)
 
