@@ -30,19 +30,25 @@ from dsacache.ops.triton_utils import check_launch, sm_count
 KINDS = {"bfloat16": 0, "fp8": 1, "fp8_ds_mla": 2}
 
 #: Settings by head block, the same for every entry kind. Each compiles for sm_90 without register
-#: spills (the compile test); at 8 warps and 150-255 registers a thread, one program fits an SM.
-#: num_stages 5 is what gives the gathered entries two shared-memory buffers (the pipeliner splits
-#: the stages between the slot load and the gather it feeds), so the next step's entries arrive
-#: while this step computes; at 3 or 4 the gather is waited for at every step.
+#: spills (the compile test). For 32 and 64 heads (8 warps, 150-255 registers a thread: one program
+#: an SM), num_stages 5 is what gives the gathered entries two shared-memory buffers (the pipeliner
+#: splits the stages between the slot load and the gather it feeds), so the next step's entries
+#: arrive while this step computes.
 CONFIGS = {
-    # 16 heads: mma.sync; 32 slots a step (at 64 both key operands of a step spill).
-    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
+    # 16 heads: mma.sync; 32 slots a step, 4 warps at 255 registers, so two programs share an SM and
+    # one's gathers overlap the other's products. Measured on the H200 at B=64, s_q 1 and 2, 12 heads
+    # (docs/benchmarks.md): 1.5x the 8-warp, 5-stage setting; fewer slots or more stages, warps or
+    # splits were all slower.
+    16: {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2},
     # 32 heads: mma.sync; 16 slots a step (at 32 the doubled accumulator spills).
     32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
     # 64 heads: wgmma; 8 warps hold the [64, 512] fp32 accumulator at 128 registers a thread; 16
     # slots a step (32 spill 60 B).
     64: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1},
 }
+#: Where an entry kind needs other settings: per-tensor ``fp8`` entries at 16 heads spill 16 bytes at
+#: 4 warps (their rope part is converted too), so they keep 8 warps and 5 stages.
+KIND_CONFIGS = {("fp8", 16): {"num_warps": 8, "num_stages": 5, "programs_per_sm": 1}}
 #: The Gluon kernel's settings: one program an SM (12 warps, 225 KB of shared memory), 64 heads a program.
 GLUON_CONFIG = {
     "BLOCK_N": 64,         # slots a tile: a 64-wide score wgmma reads the queries once per 64 keys (32: smem-bound)
@@ -129,8 +135,10 @@ def decode_kernel(q: torch.Tensor, pages: torch.Tensor, fmt: MlaEntryFormat, con
     return choice
 
 
-def decode_config(q: torch.Tensor, topk: int, config: dict | None = None, kernel: str = "triton") -> dict:
-    """The settings a call of ``kernel`` runs with: head block, its defaults, the split count, overrides."""
+def decode_config(q: torch.Tensor, topk: int, config: dict | None = None, kernel: str = "triton",
+                  kind: str = "fp8_ds_mla") -> dict:
+    """The settings a call of ``kernel`` on ``kind`` entries runs with: head block, its defaults, the
+    split count, overrides."""
     num_heads = q.shape[2]
     config = {k: v for k, v in (config or {}).items() if k != "kernel"}
     if kernel == "gluon":
@@ -140,7 +148,7 @@ def decode_config(q: torch.Tensor, topk: int, config: dict | None = None, kernel
                              f"{cfg['BLOCK_N']}")
     else:
         bh = config.get("BH", head_block(num_heads))
-        cfg = {"BH": bh, "prefetch": TRITON_PREFETCH, **CONFIGS[bh], **config}
+        cfg = {"BH": bh, "prefetch": TRITON_PREFETCH, **CONFIGS[bh], **KIND_CONFIGS.get((kind, bh), {}), **config}
     cfg["kernel"] = kernel
     if "splits" not in cfg:
         sms = sm_count(q.device)
@@ -164,7 +172,7 @@ def launch_sparse_mla_decode(q: torch.Tensor, pages: torch.Tensor, indices: torc
     q = q if q.stride(3) == 1 else q.contiguous()
     indices = indices if indices.stride(2) == 1 else indices.contiguous()
     kernel = decode_kernel(q, pages, fmt, config)
-    cfg = decode_config(q, topk, config, kernel)
+    cfg = decode_config(q, topk, config, kernel, fmt.kind)
     if not _can_prefetch(pages):
         cfg["prefetch"] = 0
     bh, block_n = cfg["BH"], cfg["BLOCK_N"]
