@@ -392,7 +392,7 @@ variants = [(kind, rope, bh, split, L.TRITON_PREFETCH) for kind, rope in (("fp8_
 variants += [("fp8_ds_mla", 64, bh, False, 2) for bh in (16, 32, 64)]
 for kind, rope, bh, split, prefetch in variants:
     fmt = MlaEntryFormat.of(kind, 512, rope)
-    cfg = {"BH": bh, **L.CONFIGS[bh], **L.KIND_CONFIGS.get((kind, bh), {}), "prefetch": prefetch}
+    cfg = {**L.triton_settings(bh, kind), "prefetch": prefetch}
     signature = dict(q_ptr="*bf16", pages_ptr="*u8", idx_ptr="*i32", k_scale_ptr="*fp32",
                      out_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32")
     signature.update({n: "i32" for n in ["num_heads", "s_q", "topk", "keys_per_split", "num_splits",

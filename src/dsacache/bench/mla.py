@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
         ms = time_window(inputs, pages)
         nbytes, work = moved_bytes(batch, s_q, heads, args.topk), flops(batch, s_q, heads, args.topk)
         kernel = decode_kernel(inputs.q, pages, FMT)
-        cfg = decode_config(inputs.q, args.topk, kernel=kernel)
+        cfg = decode_config(inputs.q, args.topk, None, kernel, FMT.kind)
         eager_ms = time_cuda(lambda: _triton_call(inputs, pages, inputs.indices))
         extra = {"tflops": f"{work / (ms * 1e-3) / 1e12:.0f}", "out_err": f"{err:.1e}", "eager_us": f"{eager_ms * 1e3:.1f}",
                  "config": f"{kernel},BH={cfg['BH']},BLOCK_N={cfg['BLOCK_N']},splits={cfg['splits']}"}

@@ -29,7 +29,7 @@ from dsacache.ops.triton_utils import check_launch, sm_count
 
 KINDS = {"bfloat16": 0, "fp8": 1, "fp8_ds_mla": 2}
 
-#: Settings by head block, the same for every entry kind. Each compiles for sm_90 without register
+#: Settings by head block (``KIND_CONFIGS`` below overrides them for one entry kind). Each compiles for sm_90 without register
 #: spills (the compile test). For 32 and 64 heads (8 warps, 150-255 registers a thread: one program
 #: an SM), num_stages 5 is what gives the gathered entries two shared-memory buffers (the pipeliner
 #: splits the stages between the slot load and the gather it feeds), so the next step's entries
@@ -135,8 +135,12 @@ def decode_kernel(q: torch.Tensor, pages: torch.Tensor, fmt: MlaEntryFormat, con
     return choice
 
 
-def decode_config(q: torch.Tensor, topk: int, config: dict | None = None, kernel: str = "triton",
-                  kind: str = "fp8_ds_mla") -> dict:
+def triton_settings(bh: int, kind: str) -> dict:
+    """The Triton kernel's default settings for a head block of ``bh`` heads on ``kind`` entries."""
+    return {"BH": bh, "prefetch": TRITON_PREFETCH, **CONFIGS[bh], **KIND_CONFIGS.get((kind, bh), {})}
+
+
+def decode_config(q: torch.Tensor, topk: int, config: dict | None, kernel: str, kind: str) -> dict:
     """The settings a call of ``kernel`` on ``kind`` entries runs with: head block, its defaults, the
     split count, overrides."""
     num_heads = q.shape[2]
@@ -148,7 +152,7 @@ def decode_config(q: torch.Tensor, topk: int, config: dict | None = None, kernel
                              f"{cfg['BLOCK_N']}")
     else:
         bh = config.get("BH", head_block(num_heads))
-        cfg = {"BH": bh, "prefetch": TRITON_PREFETCH, **CONFIGS[bh], **KIND_CONFIGS.get((kind, bh), {}), **config}
+        cfg = {**triton_settings(bh, kind), **config}
     cfg["kernel"] = kernel
     if "splits" not in cfg:
         sms = sm_count(q.device)
