@@ -422,37 +422,38 @@ print("built")
     assert "built" in report
 
 
-def test_gluon_kernel_compiles_for_hopper_without_spills():
-    """The Gluon kernel builds for sm_90 at the launcher's settings (one split and several) and at the
-    sweep's 32-slot tiles, with wgmma, three register budgets and no spills, within the 227 KB of shared
-    memory a block may take; in a fresh interpreter. Prints registers and shared memory."""
+def test_gluon_kernels_compile_for_hopper_without_spills():
+    """Both Gluon kernels build for sm_90 at the launcher's settings (one split and several; the 64-head
+    kernel also at the sweep's 32-slot tiles), with wgmma (m64n16 for the 16-head kernel: slots as M,
+    heads as N), their partitions' register budgets, no spills and no serialized wgmma (ptxas warns
+    C7514 when it has to wait for each one), within the 227 KB of shared memory a block may take; in a
+    fresh interpreter. Prints registers and shared memory."""
     pytest.importorskip("triton.experimental.gluon")
     script = """
 import os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from dsacache.ops.sparse_mla.decode_gluon import sparse_mla_decode_gluon_kernel as kernel
-from dsacache.ops.sparse_mla.launch import GLUON_CONFIG
+from dsacache.ops.sparse_mla.decode_gluon import sparse_mla_decode_gluon_kernel
+from dsacache.ops.sparse_mla.decode_gluon16 import sparse_mla_decode_gluon16_kernel
+from dsacache.ops.sparse_mla.launch import GLUON_CONFIG, GLUON16_CONFIG
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-names = list(kernel.arg_names)
-aligned = ["q_ptr", "pages_ptr", "idx_ptr", "out_ptr", "lse_ptr", "page_stride", "stride_qb", "stride_qs",
+ALIGNED = ["q_ptr", "pages_ptr", "idx_ptr", "out_ptr", "lse_ptr", "page_stride", "stride_qb", "stride_qs",
            "stride_qh", "stride_ib", "stride_is"]
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-for split, block_n, stages in ((False, None, None), (True, None, None), (False, 32, 3)):
-    cfg = dict(GLUON_CONFIG, **({"BLOCK_N": block_n, "stages": stages} if block_n else {}))
+
+def build(kernel, split, constants, maxnreg, budgets, mma):
+    names = list(kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
     signature = dict(q_ptr="*bf16", pages_ptr="*u8", idx_ptr="*i32", out_ptr="*fp32" if split else "*bf16",
                      lse_ptr="*fp32")
     signature.update({n: "i32" for n in ["num_heads", "s_q", "topk", "keys_per_split", "num_splits", "num_slots",
                                          "page_stride", "stride_qb", "stride_qs", "stride_qh", "stride_ib",
                                          "stride_is"]})
     signature["qk_scale"] = "fp32"
-    constants = dict(SPLIT=split, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["stages"], PREFETCH=cfg["prefetch"],
-                     GATHER_REGS=cfg["gather_regs"], VALUE_REGS=cfg["value_regs"])
     signature.update({k: "constexpr" for k in constants})
     compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=cfg["maxnreg"]))
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         open(os.path.join(tmp, "k.ptx"), "w").write(ptx)
@@ -461,12 +462,24 @@ for split, block_n, stages in ((False, None, None), (True, None, None), (False, 
     report = done.stdout + done.stderr
     spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", report)
     spilled = int(spills.group(1)) + int(spills.group(2))
-    budgets = sorted(set(int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
+    found = sorted(set(int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
     shared = compiled.metadata.shared
-    print(f"gluon split={split} BLOCK_N={cfg['BLOCK_N']} stages={cfg['stages']}: {cfg['maxnreg']} registers at "
-          f"entry, partition budgets {budgets}, spilled={spilled}, smem={shared}")
-    assert "wgmma.mma_async" in ptx and spilled == 0 and shared <= 232448, (split, spilled, shared)
-    assert {cfg["gather_regs"], cfg["value_regs"]} <= set(budgets)
+    print(f"{kernel.__name__} split={split} {constants}: {maxnreg} registers at entry, partition budgets {found}, "
+          f"spilled={spilled}, smem={shared}")
+    assert mma in ptx and spilled == 0 and shared <= 232448, (split, spilled, shared)
+    assert "C7514" not in report, report
+    assert set(budgets) <= set(found), (budgets, found)
+
+for split, block_n, stages in ((False, None, None), (True, None, None), (False, 32, 3)):
+    cfg = dict(GLUON_CONFIG, **({"BLOCK_N": block_n, "stages": stages} if block_n else {}))
+    constants = dict(SPLIT=split, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["stages"], PREFETCH=cfg["prefetch"],
+                     GATHER_REGS=cfg["gather_regs"], VALUE_REGS=cfg["value_regs"])
+    build(sparse_mla_decode_gluon_kernel, split, constants, cfg["maxnreg"], [cfg["gather_regs"], cfg["value_regs"]],
+          "wgmma.mma_async")
+for split in (False, True):
+    constants = dict(SPLIT=split, GATHER_REGS=GLUON16_CONFIG["gather_regs"])
+    build(sparse_mla_decode_gluon16_kernel, split, constants, GLUON16_CONFIG["maxnreg"],
+          [GLUON16_CONFIG["gather_regs"]], "wgmma.mma_async.sync.aligned.m64n16k16")
 print("built")
 """
     report = run_compiled_script(script)
@@ -628,6 +641,40 @@ def test_gpu_gluon_kernel_matches_reference(config, batch, s_q, heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [{}, {"splits": 1}, {"splits": 3}, {"splits": 16}])
+@pytest.mark.parametrize("batch,s_q,heads,topk", [(8, 2, 12, 1000), (8, 1, 16, 1000), (3, 4, 1, 1000),
+                                                  (5, 1, 7, 65), (2, 1, 12, 63), (64, 1, 12, 2048)])
+def test_gpu_gluon16_kernel_matches_reference(config, batch, s_q, heads, topk):
+    """The 16-head Gluon kernel forced, against the reference: -1 scattered, a row with none, slots past
+    the pool, partial last tiles (top-k 1000, 65, 63: one tile for only one of the two gatherers), 1, 7,
+    12 and 16 heads, splits (16: some of one tile or none); the pool untouched."""
+    require_hopper()
+    fmt, raw, before, pages, q, idx, ref = _k31_gpu_case(batch, s_q, heads, topk)
+    assert_close_to_reference(*launch(q, pages, idx, 576 ** -0.5, fmt, None, {"kernel": "gluon16", **config}),
+                              *ref)
+    assert torch.equal(raw, before)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon16_kernel_keeps_keys_exact():
+    """The 16-head kernel scales scores by the tile scales in fp32 (keys never rounded): its LSE is as
+    close to the fp64 reference as fp32 sums allow, far inside the 1e-3 bound, even where tile scales
+    differ widely between slots."""
+    require_hopper()
+    fmt = MlaEntryFormat.of("fp8_ds_mla", 512, 64)
+    gen = torch.Generator().manual_seed(5)
+    kv_c = torch.randn(64 * 64, 512, generator=gen) * torch.logspace(-3, 3, 64 * 64).view(-1, 1)
+    raw, pages = make_pages(fmt, 64, "cuda", latents=(kv_c, torch.randn(64 * 64, 64, generator=gen)))
+    q = make_queries(4, 1, 12, fmt, "cuda") * 1e-2
+    idx = random_indices(4, 1, 2048, 64 * 64, "cuda")
+    ref_out, ref_lse = run(q, pages, idx, 576 ** -0.5, "torch")
+    out, lse = launch(q, pages, idx, 576 ** -0.5, fmt, None, {"kernel": "gluon16"})
+    assert_close_to_reference(out, lse, ref_out, ref_lse)
+    live = torch.isfinite(ref_lse)
+    assert float(((lse - ref_lse)[live].abs() / ref_lse[live].abs().clamp_min(1.0)).max()) < 1e-5
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [64, 128])
 def test_gpu_triton_kernel_where_gluon_is_the_default(heads):
     """The Triton kernel forced at 64 and 128 heads on 656-B entries (Hopper runs Gluon there by default)."""
@@ -647,14 +694,20 @@ def test_gpu_kernel_choice():
     ds_mla = MlaEntryFormat.of("fp8_ds_mla", 512, 64)
     _, pages = _k31_gpu_pool()
     q12, q40, q128 = (make_queries(1, 1, h, ds_mla, "cuda") for h in (12, 40, 128))
-    assert [decode_kernel(q, pages, ds_mla) for q in (q12, q40, q128)] == ["triton", "gluon", "gluon"]
+    q24 = make_queries(1, 1, 24, ds_mla, "cuda")
+    assert [decode_kernel(q, pages, ds_mla) for q in (q12, q24, q40, q128)] == ["gluon16", "triton", "gluon", "gluon"]
     assert decode_kernel(q12, pages, ds_mla, {"kernel": "gluon"}) == "gluon"
+    assert decode_kernel(q12, pages, ds_mla, {"kernel": "triton"}) == "triton"
+    with pytest.raises(ValueError, match="at most 16 heads"):
+        decode_kernel(q24, pages, ds_mla, {"kernel": "gluon16"})
     assert decode_kernel(q128, pages, ds_mla, {"kernel": "triton"}) == "triton"
     bf16 = MlaEntryFormat.of("bfloat16", 512, 64)
     _, bf16_pages = _gpu_pool(1, bf16)
     assert decode_kernel(make_queries(1, 1, 64, bf16, "cuda"), bf16_pages, bf16) == "triton"
-    with pytest.raises(ValueError, match="Gluon"):
-        decode_kernel(make_queries(1, 1, 64, bf16, "cuda"), bf16_pages, bf16, {"kernel": "gluon"})
+    assert decode_kernel(make_queries(1, 1, 12, bf16, "cuda"), bf16_pages, bf16) == "triton"
+    for kernel in ("gluon", "gluon16"):
+        with pytest.raises(ValueError, match="Gluon"):
+            decode_kernel(make_queries(1, 1, 12, bf16, "cuda"), bf16_pages, bf16, {"kernel": kernel})
 
 
 @pytest.mark.gpu

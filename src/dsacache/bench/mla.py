@@ -8,8 +8,8 @@ against the PyTorch reference first and not timed if it disagrees.
 Reported: time a call (CUDA-graph replay of a window of back-to-back calls over rotating index
 sets, median of the windows), the bytes a call must move (the entries gathered, indices, queries,
 out and lse) and the GB/s that makes against the copy ceiling, and TFLOP/s counting
-``2 * H * topk * (576 + 512)`` a query row, and the kernel that ran (Gluon on Hopper from 33
-heads, Triton otherwise; ``--sweep`` also times the other). ``build_pool`` and ``build_inputs``
+``2 * H * topk * (576 + 512)`` a query row, and the kernel that ran (on Hopper the 16-head Gluon
+kernel up to 16 heads, the 64-head one from 33, Triton otherwise; ``--sweep`` also times the others). ``build_pool`` and ``build_inputs``
 make the inputs, so another kernel can be timed on the very same ones: with ``--peers``,
 FlashMLA's sparse decode runs on them (12 heads padded to 64 with zero heads, as a user must),
 its output checked against the reference with the same bound, and is timed the same way.
@@ -191,17 +191,22 @@ SWEEP = [{"kernel": "triton", **settings} for settings in (
 GLUON_SWEEP = [{"kernel": "gluon", **settings} for settings in (
     {}, {"BLOCK_N": 32, "stages": 3}, {"BLOCK_N": 32, "stages": 4}, {"prefetch": 0}, {"prefetch": 1},
     {"prefetch": 4}, {"splits": 1}, {"splits": 2}, {"splits": 4})]
+#: The 16-head Gluon kernel's (``launch.GLUON16_CONFIG``; on Hopper, up to 16 heads).
+GLUON16_SWEEP = [{"kernel": "gluon16", **settings} for settings in (
+    {}, {"splits": 1}, {"splits": 2}, {"splits": 3}, {"splits": 4})]
 
 
 def run_sweep(inputs: MlaInputs, pages: torch.Tensor, ceiling: float, nbytes: int, work: int) -> None:
     from dsacache.ops.sparse_mla.launch import decode_kernel
 
     shape = "x".join(str(d) for d in inputs.q.shape[:3])
-    try:
-        decode_kernel(inputs.q, pages, FMT, {"kernel": "gluon"})
-        sweep = SWEEP + GLUON_SWEEP
-    except ValueError:  # not a Hopper GPU
-        sweep = SWEEP
+    sweep = list(SWEEP)
+    for kernel, settings in (("gluon", GLUON_SWEEP), ("gluon16", GLUON16_SWEEP)):
+        try:
+            decode_kernel(inputs.q, pages, FMT, {"kernel": kernel})
+            sweep += settings
+        except ValueError:  # not a Hopper GPU, or too many heads for the kernel
+            pass
     for settings in sweep:
         try:
             check(inputs, pages, settings)

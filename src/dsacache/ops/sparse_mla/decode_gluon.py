@@ -88,8 +88,21 @@ def _entries(idx_row, start, stop, first, num_slots, pages_ptr, page_stride, ROW
              LAYOUT: gl.constexpr):
     """(byte pointers [ROWS] of the entries of slots ``first + i`` of the split, valid [ROWS]) in ``LAYOUT``:
     a slot past the split, ``< 0`` or ``>= num_slots`` is invalid and points at entry 0, never read."""
+    return _entry_pointers(_split_slots(idx_row, start, stop, first, ROWS, LAYOUT), num_slots, pages_ptr,
+                           page_stride)
+
+
+@gluon.jit
+def _split_slots(idx_row, start, stop, first, ROWS: gl.constexpr, LAYOUT: gl.constexpr):
+    """Slots ``first + i`` of the split [ROWS] in ``LAYOUT``, ``-1`` past its end."""
     cols = start + first + gl.arange(0, ROWS, layout=LAYOUT)
-    slot = gl.load(idx_row + cols, mask=cols < stop, other=-1)
+    return gl.load(idx_row + cols, mask=cols < stop, other=-1)
+
+
+@gluon.jit
+def _entry_pointers(slot, num_slots, pages_ptr, page_stride):
+    """(byte pointers of the entries at ``slot``, valid): a slot ``< 0`` or ``>= num_slots`` is invalid and
+    points at entry 0, never read. Page offsets are int64 (page strides may pass 2**31 bytes)."""
     valid = (slot >= 0) & (slot < num_slots)
     slot = gl.where(valid, slot, 0)
     return pages_ptr + (slot // 64).to(gl.int64) * page_stride + (slot % 64) * ENTRY, valid
@@ -191,8 +204,12 @@ def _value_partition(k_smem, p_smem, factor_smem, k_ready, k_empty, p_ready, p_e
         mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
         mbarrier.wait(p_ready, t & 1)
         alpha = factor_smem.load(rows)
-        acc2 = warpgroup_mma(p_smem, k_smem.index(4 * s + 2), acc2 * alpha[:, None], is_async=True)
-        acc3 = warpgroup_mma(p_smem, k_smem.index(4 * s + 3), acc3 * alpha[:, None], is_async=True)
+        # Both accumulators rescaled before either product is issued (a rescale between two issues
+        # makes ptxas wait for the first).
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+        acc2 = warpgroup_mma(p_smem, k_smem.index(4 * s + 2), acc2, is_async=True)
+        acc3 = warpgroup_mma(p_smem, k_smem.index(4 * s + 3), acc3, is_async=True)
         acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2, acc3))
         mbarrier.arrive(p_empty, count=1)
         mbarrier.arrive(k_empty.index(s), count=1)
@@ -223,11 +240,11 @@ def _score_partition(q_smem, q_rope_smem, k_smem, rope_smem, bias_smem, p_smem, 
         sc = warpgroup_mma(q_smem.index(2), k_smem.index(4 * s + 2).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma(q_smem.index(3), k_smem.index(4 * s + 3).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma(q_rope_smem, rope_smem.index(s).permute((1, 0)), sc, is_async=True)
-        # The previous tile's value products were issued before these five score products: waiting
-        # for all but five finishes them (while the scores run), and frees their stage.
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=5, deps=(acc0, acc1))
+        # One wait for all: the previous tile's value products (issued before these five score products,
+        # so done first on the tensor cores) and the scores. ptxas serializes every wgmma of the kernel
+        # when an accumulator is read after a partial wait (num_outstanding > 0) across the loop's back edge.
+        acc0, acc1, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, sc))
         mbarrier.arrive(k_empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         bias = bias_smem.index(s).load(gl.SliceLayout(0, SL))
         sc = sc * qk_scale + bias[None, :]
 
@@ -247,8 +264,10 @@ def _score_partition(q_smem, q_rope_smem, k_smem, rope_smem, bias_smem, p_smem, 
 
         a = gl.convert_layout(p16, P_OPERAND, assert_trivial=True)
         alpha_v = gl.convert_layout(alpha, gl.SliceLayout(1, VL), assert_trivial=True)
-        acc0 = warpgroup_mma(a, k_smem.index(4 * s), acc0 * alpha_v[:, None], is_async=True)
-        acc1 = warpgroup_mma(a, k_smem.index(4 * s + 1), acc1 * alpha_v[:, None], is_async=True)
+        acc0 = acc0 * alpha_v[:, None]
+        acc1 = acc1 * alpha_v[:, None]
+        acc0 = warpgroup_mma(a, k_smem.index(4 * s), acc0, is_async=True)
+        acc1 = warpgroup_mma(a, k_smem.index(4 * s + 1), acc1, is_async=True)
     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
     mbarrier.arrive(k_empty.index((n_tiles + STAGES - 1) % STAGES), count=1, pred=n_tiles > 0)
 

@@ -5,11 +5,13 @@ one split of its top-k slots; when a row's slots are split over several programs
 ``merge_splits`` combines their partial outputs by LSE. The Triton kernel
 (``sparse_attention``) runs everywhere; its head block is the smallest of 16, 32, 64 that
 holds the heads (``tl.dot`` needs 16 rows; 12 heads pay for 16, not 64), more than 64 heads
-take several blocks. On Hopper, 656-B ``fp8_ds_mla`` entries with more than 32 heads run the
-warp-specialized Gluon kernel (``decode_gluon``; 64 heads a program). :func:`decode_kernel`
-says which one a call takes. ``config`` on :func:`launch_sparse_mla_decode` overrides any
-setting for one call (tests, ``dsacache.bench mla --sweep``); ``config["kernel"]`` forces
-``"triton"`` or ``"gluon"``.
+take several blocks. On Hopper, 656-B ``fp8_ds_mla`` entries run warp-specialized Gluon
+kernels: up to 16 heads ``decode_gluon16`` (the slots as the wgmma M, 16 heads its N: K3.1's
+12 heads a rank pay for 16), more than 32 heads ``decode_gluon`` (64 heads a program).
+:func:`decode_kernel` says which one a call takes. ``config`` on
+:func:`launch_sparse_mla_decode` overrides any setting for one call (tests,
+``dsacache.bench mla --sweep``); ``config["kernel"]`` forces ``"triton"``, ``"gluon"`` or
+``"gluon16"``.
 """
 
 from __future__ import annotations
@@ -54,11 +56,22 @@ GLUON_CONFIG = {
     "BLOCK_N": 64,         # slots a tile: a 64-wide score wgmma reads the queries once per 64 keys (32: smem-bound)
     "stages": 2,           # tiles in the ring: 2 x 72 KB beside 72 KB of queries fill the 227 KB a block may take
     "prefetch": 2,         # tiles ahead whose entries are bulk-prefetched into L2, so the gathers wait on L2
-    "gather_regs": 120,    # the gather warpgroup's registers: 32 entries at a time in flight, no spills
+    "gather_regs": 112,    # the gather warpgroup's registers: 32 entries at a time in flight, no spills
     "value_regs": 176,     # the value warpgroup's: its [64, 256] fp32 accumulator (128) and the products
-    "maxnreg": 168,        # 12 warps x 168 = the register file; the score warpgroup gets the rest (208)
+    "maxnreg": 168,        # 12 warps x 168 = the register file; the score warpgroup gets the rest (216: its two
+                           # value accumulators and the scores in flight together, no spills)
     "programs_per_sm": 1,
 }
+#: The 16-head Gluon kernel's settings: one program an SM (12 warps, 173 KB of shared memory); its tiles are
+#: 64 slots (the wgmma M) in a two-stage ring, one gatherer warpgroup a stage.
+GLUON16_CONFIG = {
+    "BLOCK_N": 64,
+    "gather_regs": 152,    # each gatherer's registers: a 64-slot tile's codes, scales and rope part in flight
+    "maxnreg": 168,        # 12 warps x 168 = the register file; the attender gets the rest (200)
+    "programs_per_sm": 1,
+}
+#: Most heads the 16-head Gluon kernel takes.
+GLUON16_HEADS = 16
 #: Slot counts a Gluon tile may take (its gatherer works 32 slots at a time).
 GLUON_BLOCK_N = (32, 64)
 #: Steps ahead whose entries the Triton kernel bulk-prefetches into L2 (0: none; a sweep option: 2 steps
@@ -120,18 +133,22 @@ def _can_prefetch(pages: torch.Tensor) -> bool:
 
 
 def decode_kernel(q: torch.Tensor, pages: torch.Tensor, fmt: MlaEntryFormat, config: dict | None = None) -> str:
-    """Which kernel :func:`launch_sparse_mla_decode` runs: "gluon" where it is supported and there are more
-    than 32 heads (with fewer, its padding to 64 heads multiplies more than the memory-bound Triton kernel
-    does), "triton" elsewhere; ``config["kernel"]`` forces one."""
+    """Which kernel :func:`launch_sparse_mla_decode` runs. Where the Gluon kernels are supported: "gluon16"
+    up to 16 heads, "gluon" above 32 (17-32 heads would pay for 64 there, more than the Triton kernel's 32
+    cost); "triton" elsewhere. ``config["kernel"]`` forces one."""
     choice = (config or {}).get("kernel", "auto")
-    if choice not in ("auto", "triton", "gluon"):
-        raise ValueError(f"config kernel={choice!r}; allowed: auto, triton, gluon")
+    if choice not in ("auto", "triton", "gluon", "gluon16"):
+        raise ValueError(f"config kernel={choice!r}; allowed: auto, triton, gluon, gluon16")
     supported = _gluon_supports(q, pages, fmt)
-    if choice == "gluon" and not supported:
+    if choice in ("gluon", "gluon16") and not supported:
         raise ValueError("the Gluon sparse MLA decode needs a Hopper GPU and 656-B fp8_ds_mla pages (512 + 64, "
                          "16-byte aligned)")
+    if choice == "gluon16" and q.shape[2] > GLUON16_HEADS:
+        raise ValueError(f"the 16-head Gluon kernel takes at most {GLUON16_HEADS} heads, got H={q.shape[2]}")
     if choice == "auto":
-        return "gluon" if supported and q.shape[2] > 32 else "triton"
+        if not supported or GLUON16_HEADS < q.shape[2] <= 32:
+            return "triton"
+        return "gluon16" if q.shape[2] <= GLUON16_HEADS else "gluon"
     return choice
 
 
@@ -145,7 +162,12 @@ def decode_config(q: torch.Tensor, topk: int, config: dict | None, kernel: str, 
     split count, overrides."""
     num_heads = q.shape[2]
     config = {k: v for k, v in (config or {}).items() if k != "kernel"}
-    if kernel == "gluon":
+    if kernel == "gluon16":
+        cfg = {"BH": GLUON16_HEADS, **GLUON16_CONFIG, **config}
+        if cfg["BH"] != GLUON16_HEADS or cfg["BLOCK_N"] != 64:
+            raise ValueError(f"the 16-head Gluon kernel takes BH {GLUON16_HEADS} and BLOCK_N 64, got {cfg['BH']}, "
+                             f"{cfg['BLOCK_N']}")
+    elif kernel == "gluon":
         cfg = {"BH": 64, **GLUON_CONFIG, **config}
         if cfg["BH"] != 64 or cfg["BLOCK_N"] not in GLUON_BLOCK_N:
             raise ValueError(f"the Gluon kernel takes BH 64 and BLOCK_N in {GLUON_BLOCK_N}, got {cfg['BH']}, "
@@ -193,7 +215,14 @@ def launch_sparse_mla_decode(q: torch.Tensor, pages: torch.Tensor, indices: torc
             q.stride(0), q.stride(1), q.stride(2), indices.stride(0), indices.stride(1),
             softmax_scale * math.log2(math.e))
     grid = (rows * head_blocks * splits,)
-    if kernel == "gluon":
+    if kernel == "gluon16":
+        from dsacache.ops.sparse_mla.decode_gluon16 import sparse_mla_decode_gluon16_kernel
+
+        sparse_mla_decode_gluon16_kernel[grid](
+            q, pages, indices, dest, dest_lse, *args, SPLIT=splits > 1, GATHER_REGS=cfg["gather_regs"],
+            num_warps=4, maxnreg=cfg["maxnreg"],
+        )
+    elif kernel == "gluon":
         from dsacache.ops.sparse_mla.decode_gluon import sparse_mla_decode_gluon_kernel
 
         sparse_mla_decode_gluon_kernel[grid](
