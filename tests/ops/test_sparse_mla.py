@@ -476,8 +476,8 @@ for split, block_n, stages in ((False, None, None), (True, None, None), (False, 
                      GATHER_REGS=cfg["gather_regs"], VALUE_REGS=cfg["value_regs"])
     build(sparse_mla_decode_gluon_kernel, split, constants, cfg["maxnreg"], [cfg["gather_regs"], cfg["value_regs"]],
           "wgmma.mma_async")
-for split in (False, True):
-    constants = dict(SPLIT=split, GATHER_REGS=GLUON16_CONFIG["gather_regs"])
+for split, l2_ahead in ((False, True), (True, True), (False, False)):
+    constants = dict(SPLIT=split, L2_AHEAD=l2_ahead, GATHER_REGS=GLUON16_CONFIG["gather_regs"])
     build(sparse_mla_decode_gluon16_kernel, split, constants, GLUON16_CONFIG["maxnreg"],
           [GLUON16_CONFIG["gather_regs"]], "wgmma.mma_async.sync.aligned.m64n16k16")
 print("built")
@@ -628,7 +628,7 @@ def require_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [{}, {"splits": 3}, {"BLOCK_N": 32, "stages": 3}, {"prefetch": 0}])
+@pytest.mark.parametrize("config", [{}, {"splits": 3}, {"BLOCK_N": 32, "stages": 3}, {"prefetch": 0}, {"prefetch": 2}])
 @pytest.mark.parametrize("batch,s_q,heads", [(8, 2, 12), (8, 1, 40), (8, 2, 64), (4, 1, 128)])
 def test_gpu_gluon_kernel_matches_reference(config, batch, s_q, heads):
     """The Gluon kernel forced, against the reference: -1 scattered, a row with none, slots past the
@@ -641,13 +641,14 @@ def test_gpu_gluon_kernel_matches_reference(config, batch, s_q, heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [{}, {"splits": 1}, {"splits": 3}, {"splits": 16}])
+@pytest.mark.parametrize("config", [{}, {"splits": 1}, {"splits": 3}, {"splits": 16}, {"l2_ahead": 0}])
 @pytest.mark.parametrize("batch,s_q,heads,topk", [(8, 2, 12, 1000), (8, 1, 16, 1000), (3, 4, 1, 1000),
                                                   (5, 1, 7, 65), (2, 1, 12, 63), (64, 1, 12, 2048)])
 def test_gpu_gluon16_kernel_matches_reference(config, batch, s_q, heads, topk):
     """The 16-head Gluon kernel forced, against the reference: -1 scattered, a row with none, slots past
     the pool, partial last tiles (top-k 1000, 65, 63: one tile for only one of the two gatherers), 1, 7,
-    12 and 16 heads, splits (16: some of one tile or none); the pool untouched."""
+    12 and 16 heads, splits (16: some of one tile or none), with and without the L2 look-ahead; the pool
+    untouched."""
     require_hopper()
     fmt, raw, before, pages, q, idx, ref = _k31_gpu_case(batch, s_q, heads, topk)
     assert_close_to_reference(*launch(q, pages, idx, 576 ** -0.5, fmt, None, {"kernel": "gluon16", **config}),

@@ -193,7 +193,7 @@ GLUON_SWEEP = [{"kernel": "gluon", **settings} for settings in (
     {"prefetch": 4}, {"splits": 1}, {"splits": 2}, {"splits": 4})]
 #: The 16-head Gluon kernel's (``launch.GLUON16_CONFIG``; on Hopper, up to 16 heads).
 GLUON16_SWEEP = [{"kernel": "gluon16", **settings} for settings in (
-    {}, {"splits": 1}, {"splits": 2}, {"splits": 3}, {"splits": 4})]
+    {}, {"l2_ahead": 0}, {"splits": 1}, {"splits": 2}, {"splits": 3}, {"splits": 4})]
 
 
 def run_sweep(inputs: MlaInputs, pages: torch.Tensor, ceiling: float, nbytes: int, work: int) -> None:

@@ -43,6 +43,7 @@ from dsacache.ops.sparse_mla.decode_gluon import (
     CHUNK,
     LN2,
     RANK,
+    _PREFETCH_ASM,
     ROPE,
     _chunk_load_layout,
     _entry_pointers,
@@ -107,14 +108,31 @@ def _codes_bf16(codes):
 
 
 @gluon.jit
+def _prefetch_tile(slot, num_slots, pages_ptr, page_stride):
+    """Bulk-prefetch the valid entries at ``slot`` [64] into L2, one thread of eight a row."""
+    PL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
+    entry, valid = _entry_pointers(gl.convert_layout(slot, gl.SliceLayout(1, PL)), num_slots, pages_ptr, page_stride)
+    lane = gl.arange(0, 8, layout=gl.SliceLayout(0, PL))
+    first = valid[:, None] & (lane == 0)[None, :]
+    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [entry[:, None] + (lane * 0)[None, :], first.to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _gather_partition(k_smem, rope_smem, scale_smem, bias_smem, k_ready, k_empty, idx_row, start, stop, n_tiles,
-                      num_slots, pages_ptr, page_stride, FIRST: gl.constexpr):
+                      num_slots, pages_ptr, page_stride, FIRST: gl.constexpr, L2_AHEAD: gl.constexpr):
     s: gl.constexpr = FIRST  # one gatherer a stage
     slot = _tile_slots(idx_row, start, stop, FIRST)
+    ahead = _tile_slots(idx_row, start, stop, FIRST + STAGES)
     for t in range(FIRST, n_tiles, STAGES):
         c0, c1, c2, c3, s0, s1, s2, s3, rope, valid = _load_tile(slot, num_slots, pages_ptr, page_stride)
-        # The next tile's slots load beside these entries, so its entry loads wait on one round trip.
-        slot = _tile_slots(idx_row, start, stop, t + STAGES)
+        if L2_AHEAD:
+            # This gatherer's next tile, whose slots arrived during the last round: into L2 now, so its
+            # loads next round wait on L2, not HBM.
+            _prefetch_tile(ahead, num_slots, pages_ptr, page_stride)
+        # The slots two rounds ahead load beside these entries.
+        slot = ahead
+        ahead = _tile_slots(idx_row, start, stop, t + 2 * STAGES)
         # The loads above are in flight while the attender finishes this stage's previous tile.
         mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
         k_smem.index(4 * s).store(_codes_bf16(c0))
@@ -260,7 +278,7 @@ def sparse_mla_decode_gluon16_kernel(
     num_heads, s_q, topk, keys_per_split, num_splits, num_slots, page_stride,
     stride_qb, stride_qs, stride_qh, stride_ib, stride_is,
     qk_scale,       # softmax_scale * log2(e)
-    SPLIT: gl.constexpr, GATHER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, L2_AHEAD: gl.constexpr, GATHER_REGS: gl.constexpr,
 ):
     pid = gl.program_id(0)
     split = pid % num_splits
@@ -302,7 +320,7 @@ def sparse_mla_decode_gluon16_kernel(
         (_attend_partition, (q_smem, q_rope_smem, k_smem, rope_smem, scale_smem, bias_smem, p_smem, k_ready, k_empty,
                              n_tiles, qk_scale, out_ptr, lse_ptr, row, split, num_heads, num_splits, SPLIT)),
         (_gather_partition, (k_smem, rope_smem, scale_smem, bias_smem, k_ready, k_empty, idx_row, start, stop,
-                             n_tiles, num_slots, pages_ptr, page_stride, 0)),
+                             n_tiles, num_slots, pages_ptr, page_stride, 0, L2_AHEAD)),
         (_gather_partition, (k_smem, rope_smem, scale_smem, bias_smem, k_ready, k_empty, idx_row, start, stop,
-                             n_tiles, num_slots, pages_ptr, page_stride, 1)),
+                             n_tiles, num_slots, pages_ptr, page_stride, 1, L2_AHEAD)),
     ], [4, 4], [GATHER_REGS, GATHER_REGS])

@@ -55,7 +55,8 @@ KIND_CONFIGS = {("fp8", 16): {"num_warps": 8, "num_stages": 5, "programs_per_sm"
 GLUON_CONFIG = {
     "BLOCK_N": 64,         # slots a tile: a 64-wide score wgmma reads the queries once per 64 keys (32: smem-bound)
     "stages": 2,           # tiles in the ring: 2 x 72 KB beside 72 KB of queries fill the 227 KB a block may take
-    "prefetch": 2,         # tiles ahead whose entries are bulk-prefetched into L2, so the gathers wait on L2
+    "prefetch": 1,         # tiles ahead whose entries are bulk-prefetched into L2, so the gathers wait on L2 (1: 1-3 %
+                           # faster than 2 on the H200 once the wgmmas stopped being serialized)
     "gather_regs": 112,    # the gather warpgroup's registers: 32 entries at a time in flight, no spills
     "value_regs": 176,     # the value warpgroup's: its [64, 256] fp32 accumulator (128) and the products
     "maxnreg": 168,        # 12 warps x 168 = the register file; the score warpgroup gets the rest (216: its two
@@ -66,6 +67,7 @@ GLUON_CONFIG = {
 #: 64 slots (the wgmma M) in a two-stage ring, one gatherer warpgroup a stage.
 GLUON16_CONFIG = {
     "BLOCK_N": 64,
+    "l2_ahead": 1,         # each gatherer bulk-prefetches its next tile's entries into L2 (0: off)
     "gather_regs": 152,    # each gatherer's registers: a 64-slot tile's codes, scales and rope part in flight
     "maxnreg": 168,        # 12 warps x 168 = the register file; the attender gets the rest (200)
     "programs_per_sm": 1,
@@ -219,8 +221,8 @@ def launch_sparse_mla_decode(q: torch.Tensor, pages: torch.Tensor, indices: torc
         from dsacache.ops.sparse_mla.decode_gluon16 import sparse_mla_decode_gluon16_kernel
 
         sparse_mla_decode_gluon16_kernel[grid](
-            q, pages, indices, dest, dest_lse, *args, SPLIT=splits > 1, GATHER_REGS=cfg["gather_regs"],
-            num_warps=4, maxnreg=cfg["maxnreg"],
+            q, pages, indices, dest, dest_lse, *args, SPLIT=splits > 1, L2_AHEAD=bool(cfg["l2_ahead"]),
+            GATHER_REGS=cfg["gather_regs"], num_warps=4, maxnreg=cfg["maxnreg"],
         )
     elif kernel == "gluon":
         from dsacache.ops.sparse_mla.decode_gluon import sparse_mla_decode_gluon_kernel
