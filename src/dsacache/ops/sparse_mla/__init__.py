@@ -8,7 +8,8 @@ Files: ``api.py`` the public function; ``naive.py`` the PyTorch reference; ``lau
 the kernel and its settings (head block, slot step, warps, stages, split count) and launches;
 ``sparse_attention.py`` the Triton kernel (one query row, one head block, one split of its
 slots); ``decode_gluon.py`` the warp-specialized Hopper kernel for 656-B entries and 33-128
-heads (same grid); ``merge_splits.py`` the Triton kernel that merges split partial outputs by LSE.
+heads (same grid), ``decode_gluon16.py`` its counterpart for up to 16 heads (the slots as the
+wgmma M); ``merge_splits.py`` the Triton kernel that merges split partial outputs by LSE.
 """
 
 from dsacache.ops.sparse_mla.api import sparse_mla_decode

@@ -110,10 +110,11 @@ def sparse_mla_decode(
     The GPU path multiplies bf16 operands on the tensor cores with fp32 accumulation, rounds the
     softmax weights to bf16 for the value product and keeps the LSE in fp32. Its Triton kernel
     never rounds a key (e4m3 and bf16 values are exact in bf16; ``fp8_ds_mla`` tile scales
-    multiply the fp32 scores and the weights); on Hopper, 656-B ``fp8_ds_mla`` entries with more
-    than 32 heads run a Gluon kernel that dequantizes each key value to bf16 once (``e4m3 * tile
-    scale``, rounded, as FlashMLA does; ``launch.decode_kernel`` says which runs). The PyTorch
-    path works in fp32 throughout. All are deterministic.
+    multiply the fp32 scores and the weights). On Hopper, 656-B ``fp8_ds_mla`` entries run Gluon
+    kernels: up to 16 heads one that keeps keys exact the same way, more than 32 heads one that
+    dequantizes each key value to bf16 once (``e4m3 * tile scale``, rounded, as FlashMLA does;
+    ``launch.decode_kernel`` says which runs). The PyTorch path works in fp32 throughout. All are
+    deterministic.
 
     Example::
 
