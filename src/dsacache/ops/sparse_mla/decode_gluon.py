@@ -293,7 +293,8 @@ def _score_partition(q_smem, q_rope_smem, k_smem, rope_smem, bias_smem, p_smem, 
 
 @gluon.jit
 def _query_chunk(q_row, h_ok, col0, WIDTH: gl.constexpr):
-    """Queries [64 heads, WIDTH] at columns ``col0 + j`` as the A operand of the score product, in shared memory."""
+    """Queries [heads, WIDTH] at columns ``col0 + j`` (0 where ``h_ok`` is false), for an operand of the score
+    product in shared memory (both Gluon kernels)."""
     L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     j = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
     rows = gl.convert_layout(q_row, gl.SliceLayout(1, L))

@@ -47,6 +47,7 @@ from dsacache.ops.sparse_mla.decode_gluon import (
     ROPE,
     _chunk_load_layout,
     _entry_pointers,
+    _query_chunk,
     _rope_load_layout,
     _split_slots,
 )
@@ -259,16 +260,6 @@ def _attend_partition(q_smem, q_rope_smem, k_smem, rope_smem, scale_smem, bias_s
 
 
 @gluon.jit
-def _query_tile(q_row, h_ok, col0, WIDTH: gl.constexpr):
-    """Queries [16 heads, WIDTH] at columns ``col0 + j`` (0 for padded heads), for shared memory."""
-    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    j = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
-    rows = gl.convert_layout(q_row, gl.SliceLayout(1, L))
-    ok = gl.convert_layout(h_ok, gl.SliceLayout(1, L))
-    return gl.load(rows[:, None] + (col0 + j)[None, :], mask=ok[:, None], other=0.0)
-
-
-@gluon.jit
 def sparse_mla_decode_gluon16_kernel(
     q_ptr,          # [B, s_q, H, 576] bf16 (H <= 16), strides (stride_qb, stride_qs, stride_qh, 1)
     pages_ptr,      # uint8 [num_pages, 64, 656], page stride page_stride (16-byte aligned)
@@ -299,8 +290,8 @@ def sparse_mla_decode_gluon16_kernel(
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HEADS, CHUNK], wide)
     for c in gl.static_range(4):
-        q_smem.index(c).store(_query_tile(q_row, h_ok, c * CHUNK, CHUNK))
-    q_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, ROPE], wide, _query_tile(q_row, h_ok, RANK, ROPE))
+        q_smem.index(c).store(_query_chunk(q_row, h_ok, c * CHUNK, CHUNK))
+    q_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, ROPE], wide, _query_chunk(q_row, h_ok, RANK, ROPE))
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, TILE, CHUNK], wide)
     rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE, ROPE], wide)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEADS], gl.bfloat16)
