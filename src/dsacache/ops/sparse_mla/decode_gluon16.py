@@ -15,10 +15,11 @@ Three partitions share a program's shared memory:
 
 * two gatherers (workers of one warpgroup each) take the tiles in turn (gatherer ``g`` tiles
   ``g, g + 2, ...``, stage ``g`` of a two-stage ring). Each loads its next tile's 64 entries into
-  registers (codes, tile scales, rope part), and the slots of the tile after it, *before* it waits
-  for its stage to be free, so a tile's gathers are in flight while the tile before it is attended;
-  then converts the codes to bf16 (exact), stores them, and records the scales and which slots are
-  valid (an additive 0 / -inf score bias);
+  registers (codes, tile scales, rope part) *before* it waits for its stage to be free, so a tile's
+  gathers are in flight while the tile before it is attended; with ``L2_AHEAD`` it also
+  bulk-prefetches the entries of the tile after that into L2 (their slots, loaded a round earlier,
+  have arrived, so the prefetch never waits). Then it converts the codes to bf16 (exact), stores
+  them, and records the scales and which slots are valid (an additive 0 / -inf score bias);
 * the attender (the default partition) runs the score products, the online softmax in base 2 over
   the slots (axis 0 of ``S^T``), writes the four scaled weight tiles and issues the value products,
   which run while it waits for the next tile and its scores.
