@@ -303,6 +303,32 @@ def _query_chunk(q_row, h_ok, col0, WIDTH: gl.constexpr):
 
 
 @gluon.jit
+def _row_split(row, split, s_q, topk, keys_per_split, idx_ptr, stride_ib, stride_is, BLOCK_N: gl.constexpr):
+    """Where a program's query row and split are: (batch index, query index, first and end positions of the
+    split in the row's top-k list, tiles of BLOCK_N slots it covers, the row's index pointer)."""
+    b = row // s_q
+    sq = row % s_q
+    start = split * keys_per_split
+    stop = gl.minimum(start + keys_per_split, topk)
+    idx_row = idx_ptr + b.to(gl.int64) * stride_ib + sq.to(gl.int64) * stride_is
+    return b, sq, start, stop, gl.cdiv(stop - start, BLOCK_N), idx_row
+
+
+@gluon.jit
+def _queries_in_smem(q_ptr, b, sq, h, num_heads, stride_qb, stride_qs, stride_qh, layout: gl.constexpr):
+    """The queries of heads ``h`` of row ``(b, sq)`` in shared memory, 0 past ``num_heads``: the four latent
+    chunks [4, heads, 128] and the rope part [heads, 64], in ``layout``."""
+    h_ok = h < num_heads
+    q_row = q_ptr + b.to(gl.int64) * stride_qb + sq.to(gl.int64) * stride_qs + h.to(gl.int64) * stride_qh
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, h.shape[0], CHUNK], layout)
+    for c in gl.static_range(4):
+        q_smem.index(c).store(_query_chunk(q_row, h_ok, c * CHUNK, CHUNK))
+    q_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [h.shape[0], ROPE], layout,
+                                            _query_chunk(q_row, h_ok, RANK, ROPE))
+    return q_smem, q_rope_smem
+
+
+@gluon.jit
 def sparse_mla_decode_gluon_kernel(
     q_ptr,          # [B, s_q, H, 576] bf16, strides (stride_qb, stride_qs, stride_qh, 1)
     pages_ptr,      # uint8 [num_pages, 64, 656], page stride page_stride (16-byte aligned)
@@ -321,25 +347,14 @@ def sparse_mla_decode_gluon_kernel(
     hb = pid % num_hb
     split = (pid // num_hb) % num_splits
     row = pid // (num_hb * num_splits)
-    b = row // s_q
-    sq = row % s_q
-    start = split * keys_per_split
-    stop = gl.minimum(start + keys_per_split, topk)
-    n_tiles = gl.cdiv(stop - start, BLOCK_N)
-    idx_row = idx_ptr + b.to(gl.int64) * stride_ib + sq.to(gl.int64) * stride_is
-
+    b, sq, start, stop, n_tiles, idx_row = _row_split(row, split, s_q, topk, keys_per_split, idx_ptr, stride_ib,
+                                                      stride_is, BLOCK_N)
     heads: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
     h = hb * HEADS + gl.arange(0, HEADS, layout=heads)
-    h_ok = h < num_heads
-    q_row = q_ptr + b.to(gl.int64) * stride_qb + sq.to(gl.int64) * stride_qs + h.to(gl.int64) * stride_qh
     # One layout for every bf16 operand tile (rows of 128 or 256 bytes, 128-byte swizzle); a leading
     # ring or chunk index is outside it.
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HEADS, CHUNK], wide)
-    for c in gl.static_range(4):
-        q_smem.index(c).store(_query_chunk(q_row, h_ok, c * CHUNK, CHUNK))
-    q_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, ROPE], wide,
-                                            _query_chunk(q_row, h_ok, RANK, ROPE))
+    q_smem, q_rope_smem = _queries_in_smem(q_ptr, b, sq, h, num_heads, stride_qb, stride_qs, stride_qh, wide)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BLOCK_N, CHUNK], wide)
     rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE], wide)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], gl.bfloat16)

@@ -48,8 +48,9 @@ from dsacache.ops.sparse_mla.decode_gluon import (
     ROPE,
     _chunk_load_layout,
     _entry_pointers,
-    _query_chunk,
+    _queries_in_smem,
     _rope_load_layout,
+    _row_split,
     _split_slots,
 )
 
@@ -275,24 +276,14 @@ def sparse_mla_decode_gluon16_kernel(
     pid = gl.program_id(0)
     split = pid % num_splits
     row = pid // num_splits
-    b = row // s_q
-    sq = row % s_q
-    start = split * keys_per_split
-    stop = gl.minimum(start + keys_per_split, topk)
-    n_tiles = gl.cdiv(stop - start, TILE)
-    idx_row = idx_ptr + b.to(gl.int64) * stride_ib + sq.to(gl.int64) * stride_is
-
+    b, sq, start, stop, n_tiles, idx_row = _row_split(row, split, s_q, topk, keys_per_split, idx_ptr, stride_ib,
+                                                      stride_is, TILE)
     head_l: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
     h = gl.arange(0, HEADS, layout=head_l)
-    h_ok = h < num_heads
-    q_row = q_ptr + b.to(gl.int64) * stride_qb + sq.to(gl.int64) * stride_qs + h.to(gl.int64) * stride_qh
     # One layout for every bf16 operand tile of 128- or 256-byte rows (128-byte swizzle); a leading
     # ring or chunk index is outside it. The weight tiles have 32-byte rows.
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HEADS, CHUNK], wide)
-    for c in gl.static_range(4):
-        q_smem.index(c).store(_query_chunk(q_row, h_ok, c * CHUNK, CHUNK))
-    q_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, ROPE], wide, _query_chunk(q_row, h_ok, RANK, ROPE))
+    q_smem, q_rope_smem = _queries_in_smem(q_ptr, b, sq, h, num_heads, stride_qb, stride_qs, stride_qh, wide)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, TILE, CHUNK], wide)
     rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE, ROPE], wide)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEADS], gl.bfloat16)
