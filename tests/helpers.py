@@ -47,6 +47,28 @@ def run_compiled_script(script: str) -> str:
     return done.stdout
 
 
+#: Python source a ``run_compiled_script`` script can start with: ``usage(compiled)`` is
+#: (registers a thread, spilled bytes, the whole report) from ptxas -v on the compiled kernel's
+#: PTX for sm_90a.
+PTXAS_USAGE = """
+import os, re, subprocess, tempfile
+import triton
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+def usage(compiled):
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        open(ptx, "w").write(compiled.asm["ptx"])
+        done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.o")],
+                              capture_output=True, text=True, check=True)
+    report = done.stdout + done.stderr
+    spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", report)
+    regs = int(re.search(r"Used (\\d+) registers", report).group(1))
+    return regs, int(spills.group(1)) + int(spills.group(2)), report
+"""
+
+
 #: A tiny KDA-hybrid DSA model for CPU tests: 7 layers (DSA at 4 and 7, KDA elsewhere), 4 KDA heads
 #: of 16 with a width-4 conv, an indexer of 4 x 32 with LayerNorm keys; rows are a few hundred KB.
 TINY_HYBRID = {

@@ -10,7 +10,7 @@ from dsacache import CacheConfig, plan
 from dsacache.formats.mla_entry import MlaEntryFormat, decode_entries, encode_entries
 from dsacache.ops.sparse_mla import sparse_mla_decode
 from dsacache.runtime import CachePool
-from tests.helpers import rel_rms_error, run_compiled_script, triton_available
+from tests.helpers import PTXAS_USAGE, rel_rms_error, run_compiled_script, triton_available
 
 SENTINEL = 0xA5
 #: out is bf16: its own rounding is 2**-9 relative, and the kernel also rounds the softmax weights
@@ -355,27 +355,13 @@ def test_kernels_compile_for_hopper_without_spills():
     (ptxas ships with Triton) with no register spills; in a fresh interpreter, as this process
     runs Triton interpreted. Prints registers a thread."""
     pytest.importorskip("triton")
-    script = """
-import os, re, subprocess, tempfile
-import triton
+    script = PTXAS_USAGE + """
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from dsacache.formats.mla_entry import MlaEntryFormat
 from dsacache.ops.sparse_mla import launch as L
 from dsacache.ops.sparse_mla.merge_splits import merge_splits_kernel
 from dsacache.ops.sparse_mla.sparse_attention import sparse_mla_attention_kernel
-
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-
-def usage(compiled):
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
-        open(ptx, "w").write(compiled.asm["ptx"])
-        done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.o")],
-                              capture_output=True, text=True, check=True)
-    report = done.stdout + done.stderr
-    spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", report)
-    return int(re.search(r"Used (\\d+) registers", report).group(1)), int(spills.group(1)) + int(spills.group(2))
 
 def build(kernel, signature, constants, aligned, options):
     names = list(kernel.arg_names)
@@ -400,7 +386,7 @@ for kind, rope, bh, split, prefetch in variants:
     signature["qk_scale"] = "fp32"
     compiled = build(sparse_mla_attention_kernel, signature, L.attention_constants(fmt, cfg, split),
                      pointers + strides, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    regs, spilled = usage(compiled)
+    regs, spilled, _ = usage(compiled)
     ptx = compiled.asm["ptx"]
     mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
     assert mma == ("wgmma" if bh == 64 else "mma.sync"), (kind, bh, mma)
@@ -412,7 +398,7 @@ signature = dict(part_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", lse_pt
                  num_splits="i32")
 compiled = build(merge_splits_kernel, signature, L.merge_constants(MlaEntryFormat.of("fp8_ds_mla", 512, 64)),
                  ["part_ptr", "part_lse_ptr", "out_ptr", "lse_ptr"], {"num_warps": L.MERGE_WARPS})
-regs, spilled = usage(compiled)
+regs, spilled, _ = usage(compiled)
 print(f"merge regs={regs} spilled={spilled}")
 assert spilled == 0
 print("built")
@@ -429,16 +415,13 @@ def test_gluon_kernels_compile_for_hopper_without_spills():
     C7514 when it has to wait for each one), within the 227 KB of shared memory a block may take; in a
     fresh interpreter. Prints registers and shared memory."""
     pytest.importorskip("triton.experimental.gluon")
-    script = """
-import os, re, subprocess, tempfile
-import triton
+    script = PTXAS_USAGE + """
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from dsacache.ops.sparse_mla.decode_gluon import sparse_mla_decode_gluon_kernel
 from dsacache.ops.sparse_mla.decode_gluon16 import sparse_mla_decode_gluon16_kernel
 from dsacache.ops.sparse_mla.launch import GLUON_CONFIG, GLUON16_CONFIG
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ALIGNED = ["q_ptr", "pages_ptr", "idx_ptr", "out_ptr", "lse_ptr", "page_stride", "stride_qb", "stride_qs",
            "stride_qh", "stride_ib", "stride_is"]
 
@@ -455,13 +438,7 @@ def build(kernel, split, constants, maxnreg, budgets, mma):
     compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
     ptx = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        open(os.path.join(tmp, "k.ptx"), "w").write(ptx)
-        done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", os.path.join(tmp, "k.ptx"), "-o",
-                               os.path.join(tmp, "k.o")], capture_output=True, text=True, check=True)
-    report = done.stdout + done.stderr
-    spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", report)
-    spilled = int(spills.group(1)) + int(spills.group(2))
+    _, spilled, report = usage(compiled)
     found = sorted(set(int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
     shared = compiled.metadata.shared
     print(f"{kernel.__name__} split={split} {constants}: {maxnreg} registers at entry, partition budgets {found}, "

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsacache.ops.topk import positions_to_slots, topk_indices
-from tests.helpers import run_compiled_script, triton_available
+from tests.helpers import PTXAS_USAGE, run_compiled_script, triton_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="no triton"))]
@@ -468,16 +468,19 @@ def test_topk_gpu_matches_reference_and_topk_sets(length, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, length, pdl", [(3, 20_000, True), (64, 131_072, True), (256, 32_768, True),
-                                               (64, 32_768, False)])
-def test_gluon_select_matches_reference(rows, length, pdl):
-    """The Gluon ballot select (the select step on Hopper) on the rows it takes (random rows, ties
-    inside the chosen bin) writes the reference's output element for element; the rows it leaves
-    (heavy ties, a sorted row, short rows) are finished by the Triton select."""
-    from dsacache.ops.topk.launch import TopkConfig, _use_gluon, launch_topk
+@pytest.mark.parametrize("rows, length, pdl, first", [(3, 20_000, True, "row"), (64, 131_072, True, "gluon"),
+                                                      (256, 32_768, True, "row"), (64, 32_768, False, "row"),
+                                                      (5, 8_192, True, "row"), (7, 40_000, False, "gluon")])
+def test_gluon_kernels_match_reference(rows, length, pdl, first):
+    """The Hopper kernels before the Triton select (the row kernel: cut-off, filter and ballot
+    select in one launch, up to ``row_max_len``; the ballot select after the Triton filter for
+    wider logits) on the rows they take (random rows, ties inside the chosen bin) write the
+    reference's output element for element; the rows they leave (heavy ties, a sorted row,
+    short rows) are finished by the Triton select."""
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
 
     if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the Gluon select runs on Hopper and newer")
+        pytest.skip("the Gluon row kernel runs on Hopper and newer")
     k = 2048
     logits = torch.randn(rows, length, device="cuda")
     logits[:, ::97] = logits[:, ::97].round()  # exact ties near every cut-off
@@ -486,9 +489,9 @@ def test_gluon_select_matches_reference(rows, length, pdl):
     only = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
     launch_topk(logits, lens, None, only, TopkConfig(select="gluon-only", pdl=pdl))
     taken = (only != -7).all(dim=1)
-    assert taken.float().mean() > 0.9, "the Gluon select left most random rows"
+    assert taken.float().mean() > 0.9, "the Gluon row kernel left most random rows"
     assert torch.equal(only[taken], ref[taken])
-    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the Gluon select"
+    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the Gluon row kernel"
 
     logits[0] = torch.randint(0, 3, (length,), device="cuda").float()
     logits[1] = logits[1].sort().values
@@ -498,30 +501,54 @@ def test_gluon_select_matches_reference(rows, length, pdl):
         out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
         launch_topk(logits, lens, None, out, TopkConfig(pdl=pdl))
         assert torch.equal(out, ref)
-    assert _use_gluon(TopkConfig(), logits, 64, 128)
+    assert select_kernel(logits, k) == first
+    if first == "row":  # rows not 16-byte aligned: the Triton filter, then the ballot select
+        assert select_kernel(logits[:, 1:], k) == "gluon"
 
 
-def test_gluon_select_compiles_for_hopper():
-    """The Gluon select builds for sm_90 on any machine (ptxas ships with Triton): its layouts tile
-    the default shapes. In a fresh interpreter: this process runs Triton
-    in interpreter mode, where kernels cannot be compiled."""
+@pytest.mark.parametrize("warps, vec", [(16, 8), (8, 4)])
+def test_gluon_kernels_compile_for_hopper_without_spills(warps, vec):
+    """The Hopper row kernel and the Gluon ballot select build for sm_90 on any machine (ptxas
+    ships with Triton): their layouts tile the default shapes, the row kernel's filter loads are
+    16-byte vectors and nothing spills. In a fresh interpreter: this process runs Triton in
+    interpreter mode, where kernels cannot be compiled."""
     pytest.importorskip("triton.experimental.gluon")
-    script = """
-import triton
+    script = PTXAS_USAGE + f"""
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel as kernel
+from dsacache.ops.topk.filter import filter_tile_ptx, filter_tile_regs
+from dsacache.ops.topk.row_gluon import topk_row_kernel as kernel
+from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel as select
 
+W, V = {warps}, {vec}
+pointers = ["logits_ptr", "lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr",
+            "counts_ptr", "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]
+signature = {{name: "*i32" for name in pointers}}
+signature.update(logits_ptr="*fp32", seg_ptr="*i64", row_stride="i32", width="i32", stride_tie="i32")
+constants = dict(K=2048, SAMPLES=2048, SAMPLE_RUN=8, SAMPLE_BITS=4, SEG=8192 // W, LOAD=256, CAP=8192, BINS=2048,
+                 TIES=32, V=V, TILE_PTX=filter_tile_ptx(V), TILE_REGS=filter_tile_regs(V), AHEAD=1, HAS_STARTS=True,
+                 PDL=True)
+signature.update({{name: "constexpr" for name in constants}})
+attrs = {{(0,): [["tt.divisibility", 16]]}}
+compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options={{"num_warps": W}})
+ptx = compiled.asm["ptx"]
+regs, spilled, _ = usage(compiled)
+print(f"row kernel W={{W}} V={{V}}: {{regs}} registers, spilled={{spilled}}")
+assert "vote.sync.ballot.b32" in ptx and "ld.global.v4" in ptx and spilled == 0
+
+# The ballot select alone (after the Triton filter, for wider logits), at its default shape.
 pointers = ["lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr", "counts_ptr",
             "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]
-signature = {name: "*i64" if name == "seg_ptr" else "*i32" for name in pointers}
+signature = {{name: "*i64" if name == "seg_ptr" else "*i32" for name in pointers}}
 signature.update(width="i32", stride_tie="i32")
 constants = dict(K=2048, SAMPLES=2048, PROGS=64, SEG=128, LOAD=128, CAP=8192, BINS=2048, TIES=32,
                  HAS_STARTS=False, PDL=True)
-signature.update({name: "constexpr" for name in constants})
-compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 8})
-assert "vote.sync.ballot.b32" in compiled.asm["ptx"] and compiled.asm["cubin"]
+signature.update({{name: "constexpr" for name in constants}})
+compiled = triton.compile(GluonASTSource(select, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options={{"num_warps": 8}})
+regs, spilled, _ = usage(compiled)
+assert "vote.sync.ballot.b32" in compiled.asm["ptx"] and spilled == 0
 print("built")
 """
     assert "built" in run_compiled_script(script)

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 #: Launch settings ``--sweep`` times beside the defaults (``TopkConfig`` fields).
-SWEEP = [{"select": "triton"}, {"pdl": False}, {"gluon_select_warps": 16}, {"select_warps": 16},
+SWEEP = [{"select": "triton"}, {"pdl": False}, {"gluon_select_warps": 16}, {"row_warps": 8}, {"row_warps": 32}, {"select_warps": 16},
          {"select_warps": 8}, {"vec": 4}, {"sample_bits": 8}, {"samples": 1024}, {"ties": 64}]
 
 

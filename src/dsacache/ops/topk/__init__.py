@@ -8,8 +8,9 @@ Files: ``api.py`` the public functions (argument checks, Triton or PyTorch);
 ``naive.py`` the PyTorch reference; ``launch.py`` which kernels run with which settings
 (the algorithm's outline is there). Kernels, by what they compute: ``cutoff.py`` (a
 cut-off key from samples), ``filter.py`` (the candidates at or above it),
-``select_triton.py`` (the exact top k from them) and ``select_gluon.py`` (the same on
-Hopper, in Gluon), ``slots.py`` (positions -> slots); their shared pieces ``keys.py`` (the
+``select_triton.py`` (the exact top k from them), ``select_gluon.py`` (the same on
+Hopper, in Gluon) and ``row_gluon.py`` (all three steps in one Hopper launch, a program a
+row), ``slots.py`` (positions -> slots); their shared pieces ``keys.py`` (the
 fp32 -> sortable key order), ``rows.py`` (a row's ranked window) and ``radix.py`` (radix
 select).
 """

@@ -5,17 +5,23 @@ A row of ``n`` valid logits is selected one of two ways:
 * a short row (``n <= max(k, 2 * samples)``): the select kernel takes it alone (all of it,
   or a radix select over the row);
 * a long row: cut down to a few thousand candidates closed upwards (every key at or above
-  a cut-off), then selected exactly, in three launches:
+  a cut-off), then selected exactly, in three steps:
 
-  1. ``cutoff.topk_cutoff_kernel``, one program a row: the cut-off key, from samples;
-  2. ``filter.topk_filter_kernel``, PROGS one-warp programs a row: the candidates in
-     position order, and their histogram;
-  3. the select: on Hopper and newer (compiled CUDA), ``select_gluon.topk_select_ballot_kernel``
-     first for the rows it can take, then ``select_triton.topk_select_kernel`` for the rest;
-     elsewhere the Triton select for every row. A missed cut-off or a skewed row is one
-     of the Triton select's own branches.
+  1. the cut-off key, from samples (``cutoff.py``);
+  2. the candidates in position order and their histogram (``filter.py``);
+  3. the exact top k from them (``select_triton.py``, or ``select_gluon.py`` on Hopper).
 
-On CUDA the filter and the selects are launched with programmatic dependent launch: each
+On Hopper and newer (compiled CUDA), logits up to ``TopkConfig.row_max_len`` wide with
+16-byte aligned rows take one launch of ``row_gluon.topk_row_kernel`` for all three steps, a
+program a row; wider logits take the Triton cut-off and filter, then the Gluon ballot select
+(``select_gluon.topk_select_ballot_kernel``). Either way ``select_triton.topk_select_kernel``
+then finishes the rows the Gluon kernel leaves (short rows, a missed cut-off, a skewed row).
+Elsewhere the steps are three Triton kernels,
+``cutoff.topk_cutoff_kernel`` (a program a row), ``filter.topk_filter_kernel`` (PROGS
+one-warp programs a row) and ``select_triton.topk_select_kernel``, whose own branches cover a
+missed cut-off and a skewed row.
+
+On CUDA every kernel after the first is launched with programmatic dependent launch: it
 starts while the kernel before it finishes and waits (``griddepcontrol.wait``) before
 reading its outputs.
 """
@@ -73,14 +79,22 @@ class TopkConfig:
     ties: int = 32
     #: programmatic dependent launch of the filter and the selects (CUDA): hides the gaps between launches
     pdl: bool = True
-    #: "gluon": the Gluon select first where it applies; "triton": the Triton select only (the path
-    #: off Hopper); "gluon-only", for tests: no Triton select after it (rows it leaves stay unwritten)
+    #: "gluon": on Hopper, the row kernel (``row_gluon``) or, for wider logits, the Gluon ballot
+    #: select after the Triton filter, where they apply; "triton": the three Triton kernels only
+    #: (the path off Hopper); "gluon-only", for tests: no Triton select after the Gluon kernel
+    #: (rows it leaves stay unwritten)
     select: str = "gluon"
     #: warps of the Triton select (None: 8 when the rows fit one wave on the SMs, which is
     #: latency-bound and holds a row's candidates without spilling, else 16)
     select_warps: int | None = None
-    #: warps of the Gluon select
+    #: warps of the Gluon ballot select (after the Triton filter)
     gluon_select_warps: int = 8
+    #: warps of the Hopper row kernel: a warp a filter slice and segment (PROGS)
+    row_warps: int = 16
+    #: widest logits the Hopper row kernel takes: a row's one program streams it with W warps, while
+    #: the Triton filter spreads a longer row over many SMs (at B = 64 the row kernel is faster at
+    #: 8K and 32K, slower at 64K and 128K; measured in docs/benchmarks.md)
+    row_max_len: int = 32768
 
     def __post_init__(self) -> None:
         if self.select not in SELECTS:
@@ -99,7 +113,9 @@ class _Plan:
     vec: int
     ahead: int
     select_warps: int
-    gluon: bool
+    #: what runs before the Triton select: "row" (the Hopper row kernel), "gluon" (the Triton
+    #: cut-off and filter, then the Gluon ballot select) or "triton" (the Triton cut-off and filter)
+    first: str
 
 
 def filter_programs(rows: int, num_sms: int, cap: int) -> int:
@@ -125,29 +141,55 @@ def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int) -> _Plan:
     rows, width = logits.shape
     num_sms = sm_count(logits.device) or 1
     cap = cfg.cap or max(128, triton.next_power_of_2(CANDIDATES_PER_K * k))
-    progs = cfg.progs or filter_programs(rows, num_sms, cap)
-    load = cfg.load or select_first_load(k, cfg.samples, width, cap // progs, progs)
     l2_bytes = l2_cache_bytes(logits.device)
     streamed = l2_bytes is not None and rows * logits.stride(0) * logits.element_size() > l2_bytes
-    return _Plan(cap=cap, progs=progs, load=load, vec=cfg.vec or (4 if streamed else 8),
-                 ahead=cfg.ahead or (2 if streamed else 1),
-                 select_warps=cfg.select_warps or (8 if rows <= num_sms else 16),
-                 gluon=_use_gluon(cfg, logits, progs, load))
+    vec = cfg.vec or (4 if streamed else 8)
+    gluon = _gluon_allowed(cfg, logits)
+    row = gluon and width <= cfg.row_max_len and _row_kernel_fits(cfg, logits, cap, vec)
+    progs = cfg.row_warps if row else cfg.progs or filter_programs(rows, num_sms, cap)
+    load = cfg.load or select_first_load(k, cfg.samples, width, cap // progs, progs)
+    if row and load % 32 == 0:
+        first = "row"
+    elif gluon and _ballot_select_fits(cfg, progs, load):
+        first = "gluon"
+    else:
+        first = "triton"
+    return _Plan(cap=cap, progs=progs, load=load, vec=vec, ahead=cfg.ahead or (2 if streamed else 1),
+                 select_warps=cfg.select_warps or (8 if rows <= num_sms else 16), first=first)
 
 
-def _use_gluon(cfg: TopkConfig, logits: torch.Tensor, progs: int, load: int) -> bool:
-    """Whether the Gluon select runs first: ``cfg.select`` allows it, compiled CUDA on a Hopper
-    or newer GPU, and shapes its layouts tile exactly."""
+def _gluon_allowed(cfg: TopkConfig, logits: torch.Tensor) -> bool:
+    """``cfg.select`` allows a Gluon kernel, and it is compiled CUDA on a Hopper or newer GPU."""
     if cfg.select == "triton" or not PTX_AVAILABLE or not logits.is_cuda:
         return False
+    return torch.cuda.get_device_capability(logits.device)[0] >= 9
+
+
+def _ballot_select_fits(cfg: TopkConfig, progs: int, load: int) -> bool:
+    """The Gluon ballot select's layouts tile these settings exactly."""
     warps = cfg.gluon_select_warps
-    return (torch.cuda.get_device_capability(logits.device)[0] >= 9 and load % 32 == 0
-            and (progs * load // 32) % warps == 0 and cfg.bins % (32 * warps) == 0 and cfg.ties % 32 == 0)
+    return (load % 32 == 0 and (progs * load // 32) % warps == 0 and cfg.bins % (32 * warps) == 0
+            and cfg.ties % 32 == 0)
+
+
+def _row_kernel_fits(cfg: TopkConfig, logits: torch.Tensor, cap: int, vec: int) -> bool:
+    """The Hopper row kernel takes these rows and settings: 16-byte aligned rows (the tile PTX)
+    and layouts that tile exactly (the candidate slots loaded first, a multiple of 32, are
+    checked by ``_plan``)."""
+    warps = cfg.row_warps
+    return (_aligned(logits) and vec in FILTER_TILE_V and cfg.bins % (32 * warps) == 0
+            and cfg.samples % (32 * warps) == 0 and cfg.ties % 32 == 0 and 128 * warps <= cap)
+
+
+def _aligned(logits: torch.Tensor) -> bool:
+    """Rows 16-byte aligned, so 4-wide loads never cross a row's end."""
+    return logits.shape[1] % 4 == 0 and logits.stride(0) % 4 == 0 and logits.data_ptr() % 16 == 0
 
 
 def select_kernel(logits: torch.Tensor, k: int, config: TopkConfig | None = None) -> str:
-    """Which select a launch on ``logits`` runs first (for reports): "gluon" or "triton"."""
-    return "gluon" if _plan(config or TopkConfig(), logits, k).gluon else "triton"
+    """What a launch on ``logits`` runs before the Triton select (for reports): "row" (the
+    Hopper row kernel), "gluon" (cut-off, filter, Gluon ballot select) or "triton"."""
+    return _plan(config or TopkConfig(), logits, k).first
 
 
 def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor | None, out: torch.Tensor,
@@ -179,21 +221,24 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     shift = torch.empty_like(cut)
     hist = torch.empty(rows, cfg.bins, dtype=torch.int32, device=device)
     stride = logits.stride(0)
-    aligned = logits.shape[1] % 4 == 0 and stride % 4 == 0 and logits.data_ptr() % 16 == 0
     pdl = {"PDL": True, "launch_pdl": True} if cfg.pdl and PTX_AVAILABLE else {"PDL": False}
     common = dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=cfg.bins)
-    topk_cutoff_kernel[(rows,)](logits, lens, starts, cut, shift, hist, stride, **window, K=k, SAMPLES=cfg.samples,
-                                SAMPLE_RUN=cfg.sample_run, BINS=cfg.bins, SAMPLE_BITS=cfg.sample_bits,
-                                PDL=pdl["PDL"], num_warps=cfg.cutoff_warps)
-    tile = {"TILE_ASM": False}
-    if PTX_AVAILABLE and vec in FILTER_TILE_V:
-        tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec), "TILE_REGS": filter_tile_regs(vec)}
-    topk_filter_kernel[(progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, stride, **window,
-                                      SEG_CAP=cap // progs, V=vec, ALIGNED=aligned, USE_ASM=PTX_AVAILABLE,
-                                      AHEAD=plan.ahead, num_warps=1, **tile, **pdl, **common)
     skip = {}
-    if plan.gluon:
-        from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel  # Gluon is imported only where it runs
+    if plan.first == "row":
+        from dsacache.ops.topk.row_gluon import topk_row_kernel  # Gluon is imported only where it runs
+
+        done = torch.empty(rows, dtype=torch.int32, device=device)
+        topk_row_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
+                                 buf_keys, buf_pos, done, stride, window["width"], buf_keys.stride(0), K=k,
+                                 SAMPLES=cfg.samples, SAMPLE_RUN=cfg.sample_run, SAMPLE_BITS=cfg.sample_bits,
+                                 SEG=cap // progs, LOAD=plan.load, CAP=cap, BINS=cfg.bins, TIES=cfg.ties, V=vec,
+                                 TILE_PTX=filter_tile_ptx(vec), TILE_REGS=filter_tile_regs(vec), AHEAD=plan.ahead,
+                                 HAS_STARTS=window["HAS_STARTS"], PDL=pdl["PDL"], num_warps=progs)
+        skip = {"done_ptr": done, "SKIP_DONE": True}
+    else:
+        _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, window, pdl, common)
+    if plan.first == "gluon":
+        from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel
 
         done = torch.empty(rows, dtype=torch.int32, device=device)
         topk_select_ballot_kernel[(rows,)](lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
@@ -203,12 +248,30 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
                                            num_warps=cfg.gluon_select_warps,
                                            **({"launch_pdl": True} if pdl["PDL"] else {}), **common)
         skip = {"done_ptr": done, "SKIP_DONE": True}
-        if cfg.select == "gluon-only":
-            return
+    if skip and cfg.select == "gluon-only":
+        return
     topk_select_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
                                 buf_keys, buf_pos, stride, **window, BLOCK=cfg.block, CAP=cap, BITS=RADIX_BITS,
                                 TIES=cfg.ties, LOAD=plan.load, TILE=32 * vec, num_warps=plan.select_warps, **skip,
                                 **pdl, **common)
+
+
+def _launch_cutoff_and_filter(cfg: TopkConfig, plan: _Plan, logits: torch.Tensor, lens: torch.Tensor,
+                              starts: torch.Tensor, cut: torch.Tensor, shift: torch.Tensor, hist: torch.Tensor,
+                              seg: torch.Tensor, counts: torch.Tensor, window: dict, pdl: dict, common: dict) -> None:
+    """Steps 1 and 2 of the Triton path: the cut-off kernel, then the filter (dependent launch)."""
+    rows, k, vec = logits.shape[0], common["K"], plan.vec
+    stride = logits.stride(0)
+    topk_cutoff_kernel[(rows,)](logits, lens, starts, cut, shift, hist, stride, **window, K=k, SAMPLES=cfg.samples,
+                                SAMPLE_RUN=cfg.sample_run, BINS=cfg.bins, SAMPLE_BITS=cfg.sample_bits,
+                                PDL=pdl["PDL"], num_warps=cfg.cutoff_warps)
+    tile = {"TILE_ASM": False}
+    if PTX_AVAILABLE and vec in FILTER_TILE_V:
+        tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec), "TILE_REGS": filter_tile_regs(vec)}
+    topk_filter_kernel[(plan.progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, stride, **window,
+                                           SEG_CAP=plan.cap // plan.progs, V=vec, ALIGNED=_aligned(logits),
+                                           USE_ASM=PTX_AVAILABLE, AHEAD=plan.ahead, num_warps=1, **tile, **pdl,
+                                           **common)
 
 
 def launch_positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,

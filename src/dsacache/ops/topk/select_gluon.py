@@ -1,4 +1,5 @@
-"""Step 3 on Hopper and newer, in Gluon: the select with warp ballots instead of tile-wide scans.
+"""The select step of the Hopper row kernel (``row_gluon.py``), in Gluon: warp ballots instead of
+tile-wide scans.
 
 The Triton select (``select_triton.py``) works on a [segments, slots] tile whose scans and
 reductions Triton lays out for itself, which costs many instructions a warp and spills.
@@ -15,8 +16,8 @@ slot, so:
 
 It handles the common row only: a long row whose cut-off kept between k and CAP
 candidates, no segment fuller than LOAD, and a chosen bin taken whole or holding at most
-TIES candidates. It writes ``done[row] = 1`` for those and 0 for the rest, which the Triton
-kernel, launched after it, selects as before (``SKIP_DONE``).
+TIES candidates. The row kernel marks the rows it takes ``done``; the Triton select,
+launched after it, selects the rest (``SKIP_DONE``).
 """
 
 from __future__ import annotations
@@ -56,17 +57,6 @@ def _exclusive_over_chunks(counts):
 
 
 @gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
 def _histogram_cut(hist, want, HL: gl.constexpr):
     """(chosen bin, candidates to take from it, candidates in it) for the want-th largest."""
     bins = gl.arange(0, hist.shape[0], layout=HL)
@@ -96,6 +86,59 @@ def _tie_cut(tie_keys, tie_pos, in_bin, left, TIES: gl.constexpr, num_warps: gl.
 
 
 @gluon.jit
+def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_pos, out_row,
+                  K: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr, CAP: gl.constexpr,
+                  BINS: gl.constexpr, TIES: gl.constexpr):
+    """The exact top ``min(n, K)`` of one long row from its filtered candidates, written to
+    ``out_row`` in position order, if the row is a common one; returns whether it was.
+
+    ``cut`` / ``shift``: the row's (lowered) cut-off key and bin shift; ``hist_row`` [BINS],
+    ``seg_row`` [PROGS, SEG] int64 (pos << 32 | key) and ``counts_row`` [PROGS]: what the
+    filter wrote, complete and visible to this program; ``tie_keys`` / ``tie_pos``: TIES
+    slots of scratch. Nothing is written for a row it does not take."""
+    W: gl.constexpr = gl.num_warps()
+    CPS: gl.constexpr = LOAD // 32                 # chunks a segment
+    NCH: gl.constexpr = PROGS * CPS
+    # Warp w: chunks [w NCH / W, (w + 1) NCH / W) in its registers, lane l: slot l of each.
+    CH: gl.constexpr = gl.BlockedLayout([NCH // W, 1], [1, 32], [W, 1], [1, 0])
+    HL: gl.constexpr = gl.BlockedLayout([BINS // (32 * W)], [32], [W], [0])
+    ch = gl.arange(0, NCH, layout=gl.SliceLayout(1, CH))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, CH))
+    seg_of = ch // CPS
+    slot = (ch % CPS)[:, None] * 32 + lane[None, :]
+    # Every load first, none masked by another's value (slots past a count hold garbage, masked below).
+    pair = gl.load(seg_row + (seg_of * SEG)[:, None] + slot)
+    count = gl.load(counts_row + seg_of)
+    hist = gl.load(hist_row + gl.arange(0, BINS, layout=HL))
+    want = gl.minimum(n, K)
+    total = gl.sum(count, axis=0) // CPS           # each segment's count is held by its CPS chunks
+    chosen, left, in_bin = _histogram_cut(hist, want, HL)
+    fast = ((total >= want) & (total <= CAP) & (gl.max(count, axis=0) <= LOAD)
+            & ((left == in_bin) | (in_bin <= TIES)))
+    if fast:
+        valid = slot < count[:, None]
+        dist = pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut
+        pos = (pair >> 32).to(gl.int32)
+        bin_ = gl.minimum(dist >> shift, BINS - 1).to(gl.int32)
+        if left == in_bin:
+            take = valid & (bin_ >= chosen)
+        else:
+            in_chosen = valid & (bin_ == chosen)
+            cnt, before = _ballot_counts(in_chosen.to(gl.int32))
+            at = _exclusive_over_chunks(cnt) + before
+            gl.store(tie_keys + at, dist.to(gl.int32, bitcast=True), mask=in_chosen)
+            gl.store(tie_pos + at, pos, mask=in_chosen)
+            gl.thread_barrier()  # the scratch was written by other warps
+            cut_d, cut_p = _tie_cut(tie_keys, tie_pos, in_bin, left, TIES, W)
+            take = valid & ((bin_ > chosen) | ((bin_ == chosen) & ((dist > cut_d) | ((dist == cut_d) &
+                                                                                     (pos <= cut_p)))))
+        cnt, before = _ballot_counts(take.to(gl.int32))
+        at = _exclusive_over_chunks(cnt) + before
+        gl.store(out_row + at, pos, mask=take)
+    return fast
+
+
+@gluon.jit
 def topk_select_ballot_kernel(
     lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
     starts_ptr,       # [R] int32 or int64 first valid columns (clamped here)
@@ -112,56 +155,35 @@ def topk_select_ballot_kernel(
     K: gl.constexpr, SAMPLES: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr,
     CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr, HAS_STARTS: gl.constexpr, PDL: gl.constexpr,
 ):
-    W: gl.constexpr = gl.num_warps()
-    CPS: gl.constexpr = LOAD // 32                 # chunks a segment
-    NCH: gl.constexpr = PROGS * CPS
-    # Warp w: chunks [w NCH / W, (w + 1) NCH / W) in its registers, lane l: slot l of each.
-    CH: gl.constexpr = gl.BlockedLayout([NCH // W, 1], [1, 32], [W, 1], [1, 0])
-    HL: gl.constexpr = gl.BlockedLayout([BINS // (32 * W)], [32], [W], [0])
+    """Step 3 of the three-kernel path on Hopper: one program a row, ``ballot_select`` after
+    the Triton filter (launched with PDL: it waits for the filter's grid first)."""
+    LONG: gl.constexpr = K if K > 2 * SAMPLES else 2 * SAMPLES  # rows up to this long are the Triton select's
     row = gl.program_id(0)
     if PDL:
         _gdc_wait()
         _gdc_launch_dependents()  # the Triton select (rows left to it) waits for this grid anyway
-    ch = gl.arange(0, NCH, layout=gl.SliceLayout(1, CH))
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, CH))
-    seg_of = ch // CPS
-    slot = (ch % CPS)[:, None] * 32 + lane[None, :]
-    # Every load first, none masked by another's value (slots past a count hold garbage, masked below).
-    pair = gl.load(seg_ptr + row.to(gl.int64) * (PROGS * SEG) + (seg_of * SEG)[:, None] + slot)
-    count = gl.load(counts_ptr + row * PROGS + seg_of)
-    hist = gl.load(hist_ptr + row.to(gl.int64) * BINS + gl.arange(0, BINS, layout=HL))
-    cut = gl.load(cut_ptr + row).to(gl.uint32, bitcast=True)
-    shift = gl.load(shift_ptr + row)
     if HAS_STARTS:
         start = gl.minimum(gl.maximum(gl.load(starts_ptr + row), 0), width).to(gl.int32)
     else:
         start = 0
     n = gl.minimum(gl.maximum(gl.load(lens_ptr + row), 0), width - start).to(gl.int32)
-    want = gl.minimum(n, K)
-    total = gl.sum(count, axis=0) // CPS           # each segment's count is held by its CPS chunks
-    chosen, left, in_bin = _histogram_cut(hist, want, HL)
-    fast = ((n > gl.maximum(K, 2 * SAMPLES)) & (total >= want) & (total <= CAP) & (gl.max(count, axis=0) <= LOAD)
-            & ((left == in_bin) | (in_bin <= TIES)))
-    if fast:
-        valid = slot < count[:, None]
-        dist = pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut
-        pos = (pair >> 32).to(gl.int32)
-        bin_ = gl.minimum(dist >> shift, BINS - 1).to(gl.int32)
-        if left == in_bin:
-            take = valid & (bin_ >= chosen)
-        else:
-            in_chosen = valid & (bin_ == chosen)
-            cnt, before = _ballot_counts(in_chosen.to(gl.int32))
-            at = _exclusive_over_chunks(cnt) + before
-            tie_keys = tie_keys_ptr + row.to(gl.int64) * stride_tie
-            tie_pos = tie_pos_ptr + row.to(gl.int64) * stride_tie
-            gl.store(tie_keys + at, dist.to(gl.int32, bitcast=True), mask=in_chosen)
-            gl.store(tie_pos + at, pos, mask=in_chosen)
-            gl.thread_barrier()  # the scratch was written by other warps
-            cut_d, cut_p = _tie_cut(tie_keys, tie_pos, in_bin, left, TIES, W)
-            take = valid & ((bin_ > chosen) | ((bin_ == chosen) & ((dist > cut_d) | ((dist == cut_d) &
-                                                                                     (pos <= cut_p)))))
-        cnt, before = _ballot_counts(take.to(gl.int32))
-        at = _exclusive_over_chunks(cnt) + before
-        gl.store(out_ptr + row.to(gl.int64) * K + at, pos, mask=take)
-    gl.store(done_ptr + row, fast.to(gl.int32))
+    taken = n * 0
+    if n > LONG:
+        cut = gl.load(cut_ptr + row).to(gl.uint32, bitcast=True)
+        fast = ballot_select(n, cut, gl.load(shift_ptr + row), hist_ptr + row.to(gl.int64) * BINS,
+                             seg_ptr + row.to(gl.int64) * (PROGS * SEG), counts_ptr + row * PROGS,
+                             tie_keys_ptr + row.to(gl.int64) * stride_tie, tie_pos_ptr + row.to(gl.int64) * stride_tie,
+                             out_ptr + row.to(gl.int64) * K, K, PROGS, SEG, LOAD, CAP, BINS, TIES)
+        taken = fast.to(gl.int32)
+    gl.store(done_ptr + row, taken)
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
