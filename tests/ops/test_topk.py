@@ -510,13 +510,14 @@ def test_gluon_kernels_match_reference(rows, length, pdl, first):
 def test_gluon_kernels_compile_for_hopper_without_spills(warps, vec):
     """The Hopper row kernel and the Gluon ballot select build for sm_90 on any machine (ptxas
     ships with Triton): their layouts tile the default shapes, the row kernel's filter loads are
-    16-byte vectors and nothing spills. In a fresh interpreter: this process runs Triton in
+    16-byte vectors and nothing spills at the default register cap. In a fresh interpreter: this process runs Triton in
     interpreter mode, where kernels cannot be compiled."""
     pytest.importorskip("triton.experimental.gluon")
     script = PTXAS_USAGE + f"""
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from dsacache.ops.topk.filter import filter_tile_ptx, filter_tile_regs
+from dsacache.ops.topk.launch import TopkConfig
 from dsacache.ops.topk.row_gluon import topk_row_kernel as kernel
 from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel as select
 
@@ -531,7 +532,7 @@ constants = dict(K=2048, SAMPLES=2048, SAMPLE_RUN=8, SAMPLE_BITS=4, SEG=8192 // 
 signature.update({{name: "constexpr" for name in constants}})
 attrs = {{(0,): [["tt.divisibility", 16]]}}
 compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options={{"num_warps": W}})
+                          options={{"num_warps": W, "maxnreg": TopkConfig().row_maxnreg}})
 ptx = compiled.asm["ptx"]
 regs, spilled, _ = usage(compiled)
 print(f"row kernel W={{W}} V={{V}}: {{regs}} registers, spilled={{spilled}}")

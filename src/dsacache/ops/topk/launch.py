@@ -91,6 +91,9 @@ class TopkConfig:
     gluon_select_warps: int = 8
     #: warps of the Hopper row kernel: a warp a filter slice and segment (PROGS)
     row_warps: int = 16
+    #: register cap a thread of the row kernel (None: what ptxas picks): 64 lets two 16-warp programs
+    #: share an SM, so 256 rows run in one wave on 132 SMs (no spills at 64)
+    row_maxnreg: int | None = 64
     #: widest logits the Hopper row kernel takes: a row's one program streams it with W warps, while
     #: the Triton filter spreads a longer row over many SMs (at B = 64 the row kernel is faster at
     #: 8K and 32K, slower at 64K and 128K; measured in docs/benchmarks.md)
@@ -233,7 +236,8 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
                                  SAMPLES=cfg.samples, SAMPLE_RUN=cfg.sample_run, SAMPLE_BITS=cfg.sample_bits,
                                  SEG=cap // progs, LOAD=plan.load, CAP=cap, BINS=cfg.bins, TIES=cfg.ties, V=vec,
                                  TILE_PTX=filter_tile_ptx(vec), TILE_REGS=filter_tile_regs(vec), AHEAD=plan.ahead,
-                                 HAS_STARTS=window["HAS_STARTS"], PDL=pdl["PDL"], num_warps=progs)
+                                 HAS_STARTS=window["HAS_STARTS"], PDL=pdl["PDL"], num_warps=progs,
+                                 **({"maxnreg": cfg.row_maxnreg} if cfg.row_maxnreg else {}))
         skip = {"done_ptr": done, "SKIP_DONE": True}
     else:
         _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, window, pdl, common)
