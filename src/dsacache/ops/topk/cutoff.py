@@ -53,21 +53,21 @@ def topk_cutoff_kernel(
         cut, _, _ = radix_narrow(keys, lanes < SAMPLES, SAMPLES, target, tl.zeros([], tl.uint32),
                                  tl.full([], 32, tl.int32), target // 8 + 1, SAMPLE_BITS, 32 // SAMPLE_BITS)
         # Bins as wide as needed for the sampled maximum to land in the lower half.
-        log_bins = _bit_length(tl.full([], BINS, tl.uint32)) - 1
-        shift = tl.maximum(_bit_length(tl.max(keys, axis=0) - cut) - (log_bins - 1), 0)
-        tl.store(cut_ptr + row, _float_cut(cut).to(tl.int32, bitcast=True))
+        log_bins = bit_length(tl.full([], BINS, tl.uint32)) - 1
+        shift = tl.maximum(bit_length(tl.max(keys, axis=0) - cut) - (log_bins - 1), 0)
+        tl.store(cut_ptr + row, float_cut(cut).to(tl.int32, bitcast=True))
         tl.store(shift_ptr + row, shift)
 
 
 @triton.jit
-def _bit_length(x):
+def bit_length(x):
     """Bits needed for the uint32 scalar x (0 for 0); may be one too many, never too few."""
     exponent = (x.to(tl.float32).to(tl.uint32, bitcast=True) >> 23).to(tl.int32)
     return tl.maximum(exponent - 126, 0)
 
 
 @triton.jit
-def _float_cut(cut):
+def float_cut(cut):
     """The cut-off key lowered, where needed, so that ``key(x) >= cut`` is ``x >= float(cut)``:
     +0.0 -> -0.0 and NaN (key 0) -> -inf. Lowering a cut-off only adds candidates."""
     cut = tl.where(cut == 0x80000000, 0x7FFFFFFF, cut)

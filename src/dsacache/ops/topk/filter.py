@@ -95,7 +95,7 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
     histogram of ``(key - cut) >> shift`` (the last bin open). The next tile is loaded before
     this one is scanned, so two tiles of loads are in flight.
 
-    ``cut`` is never the key of +0.0 or of NaN (``cutoff._float_cut``), so ``x >= float(cut)``
+    ``cut`` is never the key of +0.0 or of NaN (``cutoff.float_cut``), so ``x >= float(cut)``
     is ``key(x) >= cut``: the test runs on the float, the key is built only to be stored.
     With PDL (programmatic dependent launch) the first tile is loaded before waiting for the
     cut-off kernel, whose cut-off, shift and zeroed histogram are used after the wait.

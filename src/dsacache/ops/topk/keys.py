@@ -16,7 +16,7 @@ def sortable_key(x):
     """fp32 -> uint32 key with the float's order; NaN -> 0."""
     bits = x.to(tl.uint32, bitcast=True)
     key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    return tl.where(x != x, tl.zeros_like(key), key)
+    return tl.where(x != x, 0, key)
 
 
 @triton.jit

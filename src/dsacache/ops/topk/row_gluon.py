@@ -27,36 +27,17 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from dsacache.ops.topk.cutoff import bit_length, float_cut
+from dsacache.ops.topk.keys import key_to_float, sortable_key
 from dsacache.ops.topk.select_gluon import _gdc_launch_dependents, _histogram_cut, ballot_select
 
 
-@gluon.jit
-def _sortable_key(x):
-    """fp32 -> uint32 key with the float's order, NaN -> 0 (``keys.sortable_key``)."""
-    bits = x.to(gl.uint32, bitcast=True)
-    key = gl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    return gl.where(x != x, gl.zeros_like(key), key)
-
-
-@gluon.jit
-def _key_to_float(key):
-    """Inverse of ``_sortable_key`` (key 0 -> a NaN, which no comparison passes)."""
-    bits = gl.where(key >= 0x80000000, key ^ 0x80000000, key ^ 0xFFFFFFFF)
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _bit_length(x):
-    """Bits needed for the uint32 scalar x (0 for 0); may be one too many, never too few."""
-    exponent = (x.to(gl.float32).to(gl.uint32, bitcast=True) >> 23).to(gl.int32)
-    return gl.maximum(exponent - 126, 0)
-
-
-@gluon.jit
-def _float_cut(cut):
-    """The cut-off lowered so that ``key(x) >= cut`` is ``x >= float(cut)`` (``cutoff._float_cut``)."""
-    cut = gl.where(cut == 0x80000000, 0x7FFFFFFF, cut)
-    return gl.where(cut == 0, 0x007FFFFF, cut).to(gl.uint32)
+# The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
+# definition of the key order and of the cut-off's rounding for both paths.
+_sortable_key = gluon.jit(sortable_key.fn)
+_key_to_float = gluon.jit(key_to_float.fn)
+_bit_length = gluon.jit(bit_length.fn)
+_float_cut = gluon.jit(float_cut.fn)
 
 
 @gluon.jit
