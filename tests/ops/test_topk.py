@@ -347,6 +347,27 @@ def test_topk_refuses_an_unknown_impl_or_launch_setting():
         TopkConfig(ahead=3)
 
 
+def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
+    """Where a Gluon kernel may run (Hopper, compiled CUDA; forced here so the rule is checked on
+    any machine): the row kernel for aligned logits up to ``row_max_len`` wide, the Triton filter
+    then the ballot select for wider or unaligned ones, the Triton kernels alone when the
+    settings do not tile the Gluon layouts or ``select="triton"``."""
+    pytest.importorskip("triton")
+    from dsacache.ops.topk import launch
+    from dsacache.ops.topk.launch import TopkConfig, select_kernel
+
+    monkeypatch.setattr(launch, "_gluon_allowed", lambda cfg, logits: cfg.select != "triton")
+    k = 2048
+    assert select_kernel(torch.zeros(4, 32768), k) == "row"
+    assert select_kernel(torch.zeros(4, 8192), k) == "row"
+    assert select_kernel(torch.zeros(4, 32772), k) == "gluon"                  # wider than row_max_len
+    assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(row_max_len=16384)) == "gluon"
+    assert select_kernel(torch.zeros(4, 32769)[:, :32767], k) == "gluon"      # rows not 16-byte aligned
+    assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(row_warps=128)) == "gluon"  # bins / 32 warps
+    assert select_kernel(torch.zeros(4, 131072), k, TopkConfig(gluon_select_warps=128)) == "triton"
+    assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(select="triton")) == "triton"
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_positions_to_slots(impl):
     table = torch.tensor([[5, -1, 7], [1, 2, 3]], dtype=torch.int32, device=DEVICE)
