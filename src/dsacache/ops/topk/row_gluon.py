@@ -1,9 +1,9 @@
 """Top-k on Hopper in one launch: one program of W warps takes a long row through all three steps.
 
 The Triton path runs the steps as three kernels (``cutoff.py``, ``filter.py``,
-``select_triton.py``); each waits for the whole grid before it, and at the benchmarked shapes
-those waits and the kernels' start-up cost more than the work. Here a row's program runs
-the same steps with a CTA barrier between them:
+``select_triton.py``), each waiting for the whole grid before it. Here a row's program runs
+the same steps with a CTA barrier between them, which is faster for rows up to 32K
+(``docs/benchmarks.md``, "Top-k 2048"):
 
 1. the cut-off: SAMPLES keys in evenly spaced runs of SAMPLE_RUN, narrowed by radix passes of
    SAMPLE_BITS until the chosen bin is taken whole or holds few samples (as ``cutoff.py``);
