@@ -349,8 +349,8 @@ def test_topk_refuses_an_unknown_impl_or_launch_setting():
 
 def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
     """Where a Gluon kernel may run (Hopper, compiled CUDA; forced here so the rule is checked on
-    any machine): the row kernel for aligned logits up to ``row_max_len`` wide, the Triton filter
-    then the ballot select for wider or unaligned ones, the Triton kernels alone when the
+    any machine): the row kernel for aligned logits up to ``row_max_len`` wide without row
+    starts, the Triton filter then the ballot select for wider or unaligned ones or row starts, the Triton kernels alone when the
     settings do not tile the Gluon layouts or ``select="triton"``."""
     pytest.importorskip("triton")
     from dsacache.ops.topk import launch
@@ -366,6 +366,7 @@ def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
     assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(row_warps=128)) == "gluon"  # bins / 32 warps
     assert select_kernel(torch.zeros(4, 131072), k, TopkConfig(gluon_select_warps=128)) == "triton"
     assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(select="triton")) == "triton"
+    assert select_kernel(torch.zeros(4, 32768), k, has_starts=True) == "gluon"  # prefill windows
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -486,6 +487,22 @@ def test_topk_gpu_matches_reference_and_topk_sets(length, k):
         assert torch.equal(run_topk("triton", logits, lens, k), out)
     row0 = torch.topk(logits[0], min(k, length)).indices
     assert as_sets(out[:1]) == as_sets(row0[None])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [20_000, 65_536])
+def test_topk_gpu_long_windows_with_row_starts(width):
+    """Prefill-style windows (row starts, lengths up to the row's end) of long rows on the GPU
+    path equal the reference: starts that cut into a filter tile, windows shorter and longer
+    than the sampled path's threshold, ties and a sorted row."""
+    k = 2048
+    logits = torch.randn(6, width, device="cuda")
+    logits[1] = torch.randint(0, 3, (width,), device="cuda").float()
+    logits[2] = logits[2].sort().values
+    starts = torch.tensor([0, 1, 257, 1000, width - 5000, 3], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([width, width - 1, width - 300, 4000, 5000, width - 3], dtype=torch.int32, device="cuda")
+    out = run_topk("triton", logits, lens, k, row_starts=starts)
+    assert torch.equal(out, run_topk("torch", logits, lens, k, row_starts=starts))
 
 
 @pytest.mark.gpu
