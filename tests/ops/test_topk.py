@@ -350,8 +350,9 @@ def test_topk_refuses_an_unknown_impl_or_launch_setting():
 def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
     """Where a Gluon kernel may run (Hopper, compiled CUDA; forced here so the rule is checked on
     any machine): the row kernel for aligned logits up to ``row_max_len`` wide without row
-    starts, the Triton filter then the ballot select for wider or unaligned ones or row starts, the Triton kernels alone when the
-    settings do not tile the Gluon layouts or ``select="triton"``."""
+    starts; the Triton filter then the ballot select for wider or unaligned logits or row
+    starts; the Triton kernels alone when the settings do not tile the Gluon layouts or
+    ``select="triton"``."""
     pytest.importorskip("triton")
     from dsacache.ops.topk import launch
     from dsacache.ops.topk.launch import TopkConfig, select_kernel

@@ -12,9 +12,9 @@ A row of ``n`` valid logits is selected one of two ways:
   3. the exact top k from them (``select_triton.py``, or ``select_gluon.py`` on Hopper).
 
 On Hopper and newer (compiled CUDA), logits up to ``TopkConfig.row_max_len`` wide with
-16-byte aligned rows and no row starts take one launch of ``row_gluon.topk_row_kernel`` for all three steps, a
-program a row; wider logits take the Triton cut-off and filter, then the Gluon ballot select
-(``select_gluon.topk_select_ballot_kernel``). Either way ``select_triton.topk_select_kernel``
+16-byte aligned rows and no row starts take one launch of ``row_gluon.topk_row_kernel`` for
+all three steps, a program a row; other logits take the Triton cut-off and filter, then the
+Gluon ballot select (``select_gluon.topk_select_ballot_kernel``). Either way ``select_triton.topk_select_kernel``
 then finishes the rows the Gluon kernel leaves (short rows, a missed cut-off, a skewed row).
 Elsewhere the steps are three Triton kernels,
 ``cutoff.topk_cutoff_kernel`` (a program a row), ``filter.topk_filter_kernel`` (PROGS

@@ -29,7 +29,8 @@ from triton.experimental.gluon import language as gl
 
 from dsacache.ops.topk.cutoff import bit_length, float_cut
 from dsacache.ops.topk.keys import key_to_float, sortable_key
-from dsacache.ops.topk.select_gluon import _gdc_launch_dependents, _histogram_cut, ballot_select
+from dsacache.ops.topk.select_gluon import _gdc_launch_dependents, _histogram_cut, _long_row, _row_window, \
+    ballot_select
 
 
 # The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
@@ -144,19 +145,14 @@ def topk_row_kernel(
 ):
     W: gl.constexpr = gl.num_warps()
     TILE: gl.constexpr = 32 * V
-    LONG: gl.constexpr = K if K > 2 * SAMPLES else 2 * SAMPLES  # rows up to this long are the Triton select's (rows.long_row)
     FL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])  # tile PTX: runs of 4, a warp a slice
     HL: gl.constexpr = gl.BlockedLayout([BINS // (32 * W)], [32], [W], [0])
     row = gl.program_id(0)
     if PDL:
         _gdc_launch_dependents()  # the Triton select (rows left to it) waits for this grid anyway
-    if HAS_STARTS:
-        start = gl.minimum(gl.maximum(gl.load(starts_ptr + row), 0), width).to(gl.int32)
-    else:
-        start = gl.program_id(0) * 0
-    n = gl.minimum(gl.maximum(gl.load(lens_ptr + row), 0), width - start).to(gl.int32)
+    start, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
     taken = n * 0
-    if n > LONG:
+    if _long_row(n, K, SAMPLES):
         row_ptr = logits_ptr + row.to(gl.int64) * (row_stride // 4 * 4)
         # The filter's slices (filter.filter_slice): whole tiles, tile-aligned, W of them.
         end = start + n

@@ -1,5 +1,6 @@
-"""The select step of the Hopper row kernel (``row_gluon.py``), in Gluon: warp ballots instead of
-tile-wide scans.
+"""The select step on Hopper, in Gluon: warp ballots instead of tile-wide scans. ``ballot_select``
+is step 3 of the row kernel (``row_gluon.py``) and, in ``topk_select_ballot_kernel``, of the
+three-kernel path after the Triton filter.
 
 The Triton select (``select_triton.py``) works on a [segments, slots] tile whose scans and
 reductions Triton lays out for itself, which costs many instructions a warp and spills.
@@ -16,7 +17,7 @@ slot, so:
 
 It handles the common row only: a long row whose cut-off kept between k and CAP
 candidates, no segment fuller than LOAD, and a chosen bin taken whole or holding at most
-TIES candidates. The row kernel marks the rows it takes ``done``; the Triton select,
+TIES candidates. Either kernel marks the rows it takes ``done``; the Triton select,
 launched after it, selects the rest (``SKIP_DONE``).
 """
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+from dsacache.ops.topk.rows import long_row, row_window
 
 # (candidates in the chunk, lanes before this one holding one) from a 0/1 flag a lane.
 _BALLOT_ASM = gl.constexpr("""{
@@ -36,6 +39,11 @@ mov.u32 lt, %lanemask_lt;
 and.b32 lt, lt, m;
 popc.b32 $1, lt;
 }""")
+
+
+# A row's window and whether it is long: the Triton path's rules, compiled by Gluon.
+_row_window = gluon.jit(row_window.fn)
+_long_row = gluon.jit(long_row.fn)
 
 
 @gluon.jit
@@ -157,18 +165,13 @@ def topk_select_ballot_kernel(
 ):
     """Step 3 of the three-kernel path on Hopper: one program a row, ``ballot_select`` after
     the Triton filter (launched with PDL: it waits for the filter's grid first)."""
-    LONG: gl.constexpr = K if K > 2 * SAMPLES else 2 * SAMPLES  # rows up to this long are the Triton select's
     row = gl.program_id(0)
     if PDL:
         _gdc_wait()
         _gdc_launch_dependents()  # the Triton select (rows left to it) waits for this grid anyway
-    if HAS_STARTS:
-        start = gl.minimum(gl.maximum(gl.load(starts_ptr + row), 0), width).to(gl.int32)
-    else:
-        start = 0
-    n = gl.minimum(gl.maximum(gl.load(lens_ptr + row), 0), width - start).to(gl.int32)
+    _, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
     taken = n * 0
-    if n > LONG:
+    if _long_row(n, K, SAMPLES):
         cut = gl.load(cut_ptr + row).to(gl.uint32, bitcast=True)
         fast = ballot_select(n, cut, gl.load(shift_ptr + row), hist_ptr + row.to(gl.int64) * BINS,
                              seg_ptr + row.to(gl.int64) * (PROGS * SEG), counts_ptr + row * PROGS,
