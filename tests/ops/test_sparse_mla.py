@@ -449,7 +449,7 @@ def build(kernel, split, constants, maxnreg, budgets, mma):
 
 for split, block_n, stages in ((False, None, None), (True, None, None), (False, 32, 3)):
     cfg = dict(GLUON_CONFIG, **({"BLOCK_N": block_n, "stages": stages} if block_n else {}))
-    constants = dict(SPLIT=split, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["stages"], PREFETCH=cfg["prefetch"],
+    constants = dict(SPLIT=split, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["stages"],
                      GATHER_REGS=cfg["gather_regs"], VALUE_REGS=cfg["value_regs"])
     build(sparse_mla_decode_gluon_kernel, split, constants, cfg["maxnreg"], [cfg["gather_regs"], cfg["value_regs"]],
           "wgmma.mma_async")
@@ -605,7 +605,8 @@ def require_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [{}, {"splits": 3}, {"BLOCK_N": 32, "stages": 3}, {"prefetch": 0}, {"prefetch": 2}])
+@pytest.mark.parametrize("config", [{}, {"splits": 3}, {"BLOCK_N": 32, "stages": 3},
+                                    {"BLOCK_N": 32, "stages": 3, "splits": 2}])
 @pytest.mark.parametrize("batch,s_q,heads", [(8, 2, 12), (8, 1, 40), (8, 2, 64), (4, 1, 128)])
 def test_gpu_gluon_kernel_matches_reference(config, batch, s_q, heads):
     """The Gluon kernel forced, against the reference: -1 scattered, a row with none, slots past the

@@ -189,8 +189,8 @@ SWEEP = [{"kernel": "triton", **settings} for settings in (
     {}, {"BLOCK_N": 16}, {"BLOCK_N": 32}, {"BLOCK_N": 64}, {"num_stages": 3}, {"num_stages": 6}, {"num_warps": 4},
     {"splits": 1}, {"splits": 2}, {"splits": 4}, {"BH": 32}, {"prefetch": 2}, {"prefetch": 4})]
 GLUON_SWEEP = [{"kernel": "gluon", **settings} for settings in (
-    {}, {"BLOCK_N": 32, "stages": 3}, {"BLOCK_N": 32, "stages": 4}, {"prefetch": 0}, {"prefetch": 1},
-    {"prefetch": 4}, {"splits": 1}, {"splits": 2}, {"splits": 4})]
+    {}, {"BLOCK_N": 32, "stages": 3}, {"BLOCK_N": 32, "stages": 4}, {"splits": 1}, {"splits": 2}, {"splits": 4},
+    {"gather_regs": 136, "value_regs": 160})]
 #: The 16-head Gluon kernel's (``launch.GLUON16_CONFIG``; on Hopper, up to 16 heads).
 GLUON16_SWEEP = [{"kernel": "gluon16", **settings} for settings in (
     {}, {"l2_ahead": 0}, {"splits": 1}, {"splits": 2}, {"splits": 3}, {"splits": 4})]

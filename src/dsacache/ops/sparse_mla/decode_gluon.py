@@ -3,11 +3,11 @@ program, 656-B ``fp8_ds_mla`` entries (kv_lora_rank 512 + rope 64), wgmma throug
 
 Three partitions of one warpgroup each share a program's shared memory:
 
-* the gatherer (a worker) reads tile ``t``'s 64 entries straight into registers (the entries of
-  the tiles ``PREFETCH`` ahead are bulk-prefetched into L2, so these loads wait on L2, not HBM),
-  dequantizes the latent values (``e4m3 * tile scale``, rounded to bf16 once) into the tile's
-  stage of a two-stage ring, copies the bf16 rope part beside them and records which slots are
-  valid (an additive 0 / -inf score bias);
+* the gatherer (a worker) reads a tile's 64 entries straight into registers, GATHER_ROWS at a
+  time, the next group's loads in flight while it dequantizes the latent values of one
+  (``e4m3 * tile scale``, rounded to bf16 once) into the tile's stage of a two-stage ring, copies
+  the bf16 rope part beside them and records which slots are valid (an additive 0 / -inf score
+  bias);
 * the score partition (the default one) multiplies the queries (in shared memory for the whole
   program) with the tile's keys, ``S = q @ k^T`` (64 x 64, K = 576, five wgmmas), runs the online
   softmax in base 2 on S in registers, hands the bf16 weights and the rescale factors to the
@@ -38,20 +38,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 HEADS = gl.constexpr(64)        # query heads a program: the wgmma M of one warpgroup
-GATHER_ROWS = gl.constexpr(32)  # slots the gatherer holds in registers at a time
 CHUNK = gl.constexpr(128)       # latent values a chunk (one fp8_ds_mla scale tile)
+GATHER_ROWS = gl.constexpr(16)  # slots the gatherer loads at a time (32, or more groups in flight, spill)
 ROPE = gl.constexpr(64)
 RANK = gl.constexpr(512)
 ENTRY = gl.constexpr(656)
 LN2 = gl.constexpr(0.6931471805599453)
 
-# Bulk-prefetch the 656-B entry at $1 into L2 when $2 is non-zero.
-_PREFETCH_ASM = gl.constexpr("""{
-.reg .pred p;
-setp.ne.s32 p, $2, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], 656;
-mov.b32 $0, 0;
-}""")
 
 
 @gluon.constexpr_function
@@ -68,28 +61,14 @@ def _value_layout():
 
 @gluon.constexpr_function
 def _chunk_load_layout():
-    """[32 slots, 128 bytes] of a chunk: 16 bytes a thread, 8 threads a row, two rows a thread."""
+    """[slots, 128 bytes] of a chunk: 16 bytes a thread, 8 threads a row, 16 rows a warpgroup."""
     return gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
 
 
 @gluon.constexpr_function
 def _rope_load_layout():
-    """[32 slots, 64 bf16] of the rope part: 8 values (16 bytes) a thread, 8 threads a row."""
+    """[slots, 64 bf16] of the rope part: 8 values (16 bytes) a thread, 8 threads a row (the chunk layout's rows)."""
     return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _slot_layout():
-    return gl.BlockedLayout([1], [32], [4], [0])
-
-
-@gluon.jit
-def _entries(idx_row, start, stop, first, num_slots, pages_ptr, page_stride, ROWS: gl.constexpr,
-             LAYOUT: gl.constexpr):
-    """(byte pointers [ROWS] of the entries of slots ``first + i`` of the split, valid [ROWS]) in ``LAYOUT``:
-    a slot past the split, ``< 0`` or ``>= num_slots`` is invalid and points at entry 0, never read."""
-    return _entry_pointers(_split_slots(idx_row, start, stop, first, ROWS, LAYOUT), num_slots, pages_ptr,
-                           page_stride)
 
 
 @gluon.jit
@@ -109,60 +88,83 @@ def _entry_pointers(slot, num_slots, pages_ptr, page_stride):
 
 
 @gluon.jit
-def _prefetch(idx_row, start, stop, t, num_slots, pages_ptr, page_stride, BLOCK_N: gl.constexpr):
-    entry, valid = _entries(idx_row, start, stop, t * BLOCK_N, num_slots, pages_ptr, page_stride, BLOCK_N,
-                            _slot_layout())
-    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [entry, valid.to(gl.int32)], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _dequantized_chunk(entry, valid, c: gl.constexpr):
-    """Chunk ``c`` of the latent values of 32 entries [32, 128] as bf16: ``e4m3 * scale`` rounded once
-    (0 where invalid)."""
-    L: gl.constexpr = _chunk_load_layout()
-    d = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, L))
-    codes = gl.load(entry[:, None] + (c * CHUNK + d)[None, :], mask=valid[:, None], other=0)
-    scale = gl.load((entry + RANK).to(gl.pointer_type(gl.float32)) + c, mask=valid, other=0.0)
-    values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-    return values.to(gl.bfloat16)
-
-
-@gluon.jit
-def _gather_rows(k_smem, rope_smem, bias_smem, s, row0, first, idx_row, start, stop, num_slots, pages_ptr,
-                 page_stride):
-    """Rows ``row0 .. row0 + 31`` of stage ``s``: the dequantized latents, the rope part, the score bias."""
+def _load_entries(slot, num_slots, pages_ptr, page_stride):
+    """The entries at ``slot`` [rows] (in the chunk layout's rows) loaded into registers, every load
+    issued before any is used: the four code chunks [rows, 128] uint8, the four tile scales [rows]
+    fp32, the rope part [rows, 64] bf16 (0 where invalid) and which slots are valid (both Gluon
+    kernels)."""
     CL: gl.constexpr = _chunk_load_layout()
     RL: gl.constexpr = _rope_load_layout()
-    entry, valid = _entries(idx_row, start, stop, first, num_slots, pages_ptr, page_stride, GATHER_ROWS,
-                            gl.SliceLayout(1, CL))
-    r_entry, r_valid = _entries(idx_row, start, stop, first, num_slots, pages_ptr, page_stride, GATHER_ROWS,
-                                gl.SliceLayout(1, RL))
+    entry, valid = _entry_pointers(slot, num_slots, pages_ptr, page_stride)
+    d = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, CL))
+    at = entry[:, None] + d[None, :]
+    ok = valid[:, None]
+    c0 = gl.load(at, mask=ok, other=0)
+    c1 = gl.load(at + CHUNK, mask=ok, other=0)
+    c2 = gl.load(at + 2 * CHUNK, mask=ok, other=0)
+    c3 = gl.load(at + 3 * CHUNK, mask=ok, other=0)
+    scales = (entry + RANK).to(gl.pointer_type(gl.float32))
+    s0 = gl.load(scales, mask=valid, other=0.0)
+    s1 = gl.load(scales + 1, mask=valid, other=0.0)
+    s2 = gl.load(scales + 2, mask=valid, other=0.0)
+    s3 = gl.load(scales + 3, mask=valid, other=0.0)
+    r_entry = gl.convert_layout(entry, gl.SliceLayout(1, RL))
+    r_valid = gl.convert_layout(valid, gl.SliceLayout(1, RL))
     e = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
     rope = gl.load((r_entry + (RANK + 16)).to(gl.pointer_type(gl.bfloat16))[:, None] + e[None, :],
                    mask=r_valid[:, None], other=0.0)
-    for c in gl.static_range(4):
-        k_smem.index(4 * s + c).slice(row0, GATHER_ROWS).store(_dequantized_chunk(entry, valid, c))
-    rope_smem.index(s).slice(row0, GATHER_ROWS).store(rope)
-    bias_smem.index(s).slice(row0, GATHER_ROWS).store(gl.where(valid, 0.0, float("-inf")))
+    return c0, c1, c2, c3, s0, s1, s2, s3, rope, valid
+
+
+@gluon.jit
+def _dequantized(codes, scale):
+    """Latent values ``e4m3 * tile scale`` [rows, 128], rounded to bf16 once (0 where invalid)."""
+    return (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16)
+
+
+@gluon.jit
+def _group_slots(idx_row, start, stop, group, ROWS: gl.constexpr):
+    """Slots of gather group ``group`` (ROWS slots each, counted over the split) in the chunk layout's rows."""
+    return _split_slots(idx_row, start, stop, group * ROWS, ROWS, gl.SliceLayout(1, _chunk_load_layout()))
+
+
+@gluon.jit
+def _store_group(k_smem, rope_smem, bias_smem, s, row0: gl.constexpr, group):
+    """Group ``group`` (what ``_load_entries`` returned) into rows ``row0 ..`` of stage ``s``: the dequantized
+    latents, the rope part and the score bias."""
+    c0, c1, c2, c3, s0, s1, s2, s3, rope, valid = group
+    rows: gl.constexpr = c0.shape[0]
+    k_smem[0].index(s).slice(row0, rows).store(_dequantized(c0, s0))
+    k_smem[1].index(s).slice(row0, rows).store(_dequantized(c1, s1))
+    k_smem[2].index(s).slice(row0, rows).store(_dequantized(c2, s2))
+    k_smem[3].index(s).slice(row0, rows).store(_dequantized(c3, s3))
+    rope_smem.index(s).slice(row0, rows).store(rope)
+    bias_smem.index(s).slice(row0, rows).store(gl.where(valid, 0.0, float("-inf")))
 
 
 @gluon.jit
 def _gather_partition(k_smem, rope_smem, bias_smem, k_ready, k_empty, idx_row, start, stop, n_tiles, num_slots,
-                      pages_ptr, page_stride, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      PREFETCH: gl.constexpr):
-    for ahead in gl.static_range(1, PREFETCH):
-        _prefetch(idx_row, start, stop, ahead, num_slots, pages_ptr, page_stride, BLOCK_N)
+                      pages_ptr, page_stride, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # A tile is gathered in groups of GATHER_ROWS slots, software-pipelined: group j + 1's loads are in
+    # flight while group j is converted and stored (and while its stage is waited for), and group j + 2's
+    # slots are loaded before that. (Two groups ahead, or 8-slot groups three ahead, spill at these budgets.)
+    ROWS: gl.constexpr = GATHER_ROWS
+    GROUPS: gl.constexpr = BLOCK_N // ROWS
+    idx_row = idx_row + start  # the split's slots from here on (one register fewer to carry)
+    stop = stop - start
+    start = 0
+    cur = _load_entries(_group_slots(idx_row, start, stop, 0, ROWS), num_slots, pages_ptr, page_stride)
+    slot = _group_slots(idx_row, start, stop, 1, ROWS)
     for t in range(n_tiles):
         s = t % STAGES
-        if PREFETCH > 0:
-            _prefetch(idx_row, start, stop, t + PREFETCH, num_slots, pages_ptr, page_stride, BLOCK_N)
-        # Both accumulating partitions are done with this stage's previous tile.
-        mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
-        # 32 rows at a time: a whole 64-slot tile in registers would not fit the partition's budget.
-        for g in gl.static_range(BLOCK_N // GATHER_ROWS):
-            _gather_rows(k_smem, rope_smem, bias_smem, s, g * GATHER_ROWS, t * BLOCK_N + g * GATHER_ROWS, idx_row,
-                         start, stop, num_slots, pages_ptr, page_stride)
+        for g in gl.static_range(GROUPS):
+            nxt = _load_entries(slot, num_slots, pages_ptr, page_stride)
+            slot = _group_slots(idx_row, start, stop, t * GROUPS + g + 2, ROWS)
+            if g == 0:
+                # Both accumulating partitions are done with this stage's previous tile.
+                mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
+            _store_group(k_smem, rope_smem, bias_smem, s, g * ROWS, cur)
+            cur = nxt
         fence_async_shared()
         mbarrier.arrive(k_ready.index(s), count=1)
 
@@ -208,8 +210,8 @@ def _value_partition(k_smem, p_smem, factor_smem, k_ready, k_empty, p_ready, p_e
         # makes ptxas wait for the first).
         acc2 = acc2 * alpha[:, None]
         acc3 = acc3 * alpha[:, None]
-        acc2 = warpgroup_mma(p_smem, k_smem.index(4 * s + 2), acc2, is_async=True)
-        acc3 = warpgroup_mma(p_smem, k_smem.index(4 * s + 3), acc3, is_async=True)
+        acc2 = warpgroup_mma(p_smem, k_smem[2].index(s), acc2, is_async=True)
+        acc3 = warpgroup_mma(p_smem, k_smem[3].index(s), acc3, is_async=True)
         acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2, acc3))
         mbarrier.arrive(p_empty, count=1)
         mbarrier.arrive(k_empty.index(s), count=1)
@@ -235,10 +237,10 @@ def _score_partition(q_smem, q_rope_smem, k_smem, rope_smem, bias_smem, p_smem, 
     for t in range(n_tiles):
         s = t % STAGES
         mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
-        sc = warpgroup_mma(q_smem.index(0), k_smem.index(4 * s).permute((1, 0)), zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma(q_smem.index(1), k_smem.index(4 * s + 1).permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma(q_smem.index(2), k_smem.index(4 * s + 2).permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma(q_smem.index(3), k_smem.index(4 * s + 3).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_smem.index(0), k_smem[0].index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_smem.index(1), k_smem[1].index(s).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_smem.index(2), k_smem[2].index(s).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_smem.index(3), k_smem[3].index(s).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma(q_rope_smem, rope_smem.index(s).permute((1, 0)), sc, is_async=True)
         # One wait for all: the previous tile's value products (issued before these five score products,
         # so done first on the tensor cores) and the scores. ptxas serializes every wgmma of the kernel
@@ -266,8 +268,8 @@ def _score_partition(q_smem, q_rope_smem, k_smem, rope_smem, bias_smem, p_smem, 
         alpha_v = gl.convert_layout(alpha, gl.SliceLayout(1, VL), assert_trivial=True)
         acc0 = acc0 * alpha_v[:, None]
         acc1 = acc1 * alpha_v[:, None]
-        acc0 = warpgroup_mma(a, k_smem.index(4 * s), acc0, is_async=True)
-        acc1 = warpgroup_mma(a, k_smem.index(4 * s + 1), acc1, is_async=True)
+        acc0 = warpgroup_mma(a, k_smem[0].index(s), acc0, is_async=True)
+        acc1 = warpgroup_mma(a, k_smem[1].index(s), acc1, is_async=True)
     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
     mbarrier.arrive(k_empty.index((n_tiles + STAGES - 1) % STAGES), count=1, pred=n_tiles > 0)
 
@@ -338,7 +340,7 @@ def sparse_mla_decode_gluon_kernel(
     num_heads, s_q, topk, keys_per_split, num_splits, num_slots, page_stride,
     stride_qb, stride_qs, stride_qh, stride_ib, stride_is,
     qk_scale,       # softmax_scale * log2(e)
-    SPLIT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr,
+    SPLIT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     GATHER_REGS: gl.constexpr, VALUE_REGS: gl.constexpr,
 ):
     # Head blocks vary fastest, so the programs that read one row's slots run side by side (L2).
@@ -355,7 +357,12 @@ def sparse_mla_decode_gluon_kernel(
     # ring or chunk index is outside it.
     wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem, q_rope_smem = _queries_in_smem(q_ptr, b, sq, h, num_heads, stride_qb, stride_qs, stride_qh, wide)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BLOCK_N, CHUNK], wide)
+    # One allocation a latent chunk, so the gatherer's stores into different chunks need no barrier
+    # between them (Gluon cannot tell dynamic indices of one allocation apart).
+    k_smem = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, CHUNK], wide),
+              gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, CHUNK], wide),
+              gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, CHUNK], wide),
+              gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, CHUNK], wide))
     rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE], wide)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], gl.bfloat16)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, BLOCK_N], p_layout)
@@ -379,7 +386,7 @@ def sparse_mla_decode_gluon_kernel(
                             p_ready, p_empty, n_tiles, qk_scale, out_ptr, lse_ptr, row, split, hb, num_heads,
                             num_splits, SPLIT, BLOCK_N, STAGES)),
         (_gather_partition, (k_smem, rope_smem, bias_smem, k_ready, k_empty, idx_row, start, stop, n_tiles, num_slots,
-                             pages_ptr, page_stride, BLOCK_N, STAGES, PREFETCH)),
+                             pages_ptr, page_stride, BLOCK_N, STAGES)),
         (_value_partition, (k_smem, p_smem, factor_smem, k_ready, k_empty, p_ready, p_empty, n_tiles, out_ptr, lse_ptr,
                             row, split, hb, num_heads, num_splits, SPLIT, STAGES)),
     ], [4, 4], [GATHER_REGS, VALUE_REGS])

@@ -44,12 +44,11 @@ from dsacache.ops.sparse_mla.decode_gluon import (
     CHUNK,
     LN2,
     RANK,
-    _PREFETCH_ASM,
     ROPE,
     _chunk_load_layout,
     _entry_pointers,
+    _load_entries,
     _queries_in_smem,
-    _rope_load_layout,
     _row_split,
     _split_slots,
 )
@@ -57,6 +56,14 @@ from dsacache.ops.sparse_mla.decode_gluon import (
 HEADS = gl.constexpr(16)    # query heads a program: the wgmma N
 TILE = gl.constexpr(64)     # slots a tile: the wgmma M
 STAGES = gl.constexpr(2)    # tiles in the ring, one a gatherer
+
+# Bulk-prefetch the 656-B entry at $1 into L2 when $2 is non-zero.
+_PREFETCH_ASM = gl.constexpr("""{
+.reg .pred p;
+setp.ne.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], 656;
+mov.b32 $0, 0;
+}""")
 
 
 @gluon.constexpr_function
@@ -75,33 +82,6 @@ def _out_layout():
 def _tile_slots(idx_row, start, stop, t):
     """Slots of tile ``t`` of the split [64], in the gatherer's row layout (``-1`` past the split)."""
     return _split_slots(idx_row, start, stop, t * TILE, TILE, gl.SliceLayout(1, _chunk_load_layout()))
-
-
-@gluon.jit
-def _load_tile(slot, num_slots, pages_ptr, page_stride):
-    """The entries at ``slot`` [64] loaded into registers: the four code chunks [64, 128] uint8, the
-    four tile scales [64] fp32, the rope part [64, 64] bf16 (0 where invalid) and which slots are valid."""
-    CL: gl.constexpr = _chunk_load_layout()
-    RL: gl.constexpr = _rope_load_layout()
-    entry, valid = _entry_pointers(slot, num_slots, pages_ptr, page_stride)
-    d = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, CL))
-    at = entry[:, None] + d[None, :]
-    ok = valid[:, None]
-    c0 = gl.load(at, mask=ok, other=0)
-    c1 = gl.load(at + CHUNK, mask=ok, other=0)
-    c2 = gl.load(at + 2 * CHUNK, mask=ok, other=0)
-    c3 = gl.load(at + 3 * CHUNK, mask=ok, other=0)
-    scales = (entry + RANK).to(gl.pointer_type(gl.float32))
-    s0 = gl.load(scales, mask=valid, other=0.0)
-    s1 = gl.load(scales + 1, mask=valid, other=0.0)
-    s2 = gl.load(scales + 2, mask=valid, other=0.0)
-    s3 = gl.load(scales + 3, mask=valid, other=0.0)
-    r_entry = gl.convert_layout(entry, gl.SliceLayout(1, RL))
-    r_valid = gl.convert_layout(valid, gl.SliceLayout(1, RL))
-    e = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
-    rope = gl.load((r_entry + (RANK + 16)).to(gl.pointer_type(gl.bfloat16))[:, None] + e[None, :],
-                   mask=r_valid[:, None], other=0.0)
-    return c0, c1, c2, c3, s0, s1, s2, s3, rope, valid
 
 
 @gluon.jit
@@ -128,7 +108,7 @@ def _gather_partition(k_smem, rope_smem, scale_smem, bias_smem, k_ready, k_empty
     slot = _tile_slots(idx_row, start, stop, FIRST)
     ahead = _tile_slots(idx_row, start, stop, FIRST + STAGES)
     for t in range(FIRST, n_tiles, STAGES):
-        c0, c1, c2, c3, s0, s1, s2, s3, rope, valid = _load_tile(slot, num_slots, pages_ptr, page_stride)
+        c0, c1, c2, c3, s0, s1, s2, s3, rope, valid = _load_entries(slot, num_slots, pages_ptr, page_stride)
         if L2_AHEAD:
             # This gatherer's next tile, whose slots arrived during the last round: into L2 now, so its
             # loads next round wait on L2, not HBM.
