@@ -411,9 +411,12 @@ print("built")
 def test_gluon_kernels_compile_for_hopper_without_spills():
     """Both Gluon kernels build for sm_90 at the launcher's settings (one split and several; the 64-head
     kernel also at the sweep's 32-slot tiles), with wgmma (m64n16 for the 16-head kernel: slots as M,
-    heads as N), their partitions' register budgets, no spills and no serialized wgmma (ptxas warns
-    C7514 when it has to wait for each one), within the 227 KB of shared memory a block may take; in a
-    fresh interpreter. Prints registers and shared memory."""
+    heads as N), their partitions' register budgets, no serialized wgmma (ptxas warns C7514 when it has
+    to wait for each one), within the 227 KB of shared memory a block may take, and no spills beyond
+    what ``spill_allowed`` names (bytes stored plus loaded): with its L2 prefetch on, the 64-head
+    kernel spills two registers, one stored before the partitions split and one stored and loaded
+    once a tile by the gatherer (measured faster than the spill-free setting without the prefetch;
+    docs/benchmarks.md); in a fresh interpreter. Prints registers and shared memory."""
     pytest.importorskip("triton.experimental.gluon")
     script = PTXAS_USAGE + """
 from triton.backends.compiler import GPUTarget
@@ -425,7 +428,7 @@ from dsacache.ops.sparse_mla.launch import GLUON_CONFIG, GLUON16_CONFIG
 ALIGNED = ["q_ptr", "pages_ptr", "idx_ptr", "out_ptr", "lse_ptr", "page_stride", "stride_qb", "stride_qs",
            "stride_qh", "stride_ib", "stride_is"]
 
-def build(kernel, split, constants, maxnreg, budgets, mma):
+def build(kernel, split, constants, maxnreg, budgets, mma, spill_allowed=0):
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
     signature = dict(q_ptr="*bf16", pages_ptr="*u8", idx_ptr="*i32", out_ptr="*fp32" if split else "*bf16",
@@ -443,16 +446,18 @@ def build(kernel, split, constants, maxnreg, budgets, mma):
     shared = compiled.metadata.shared
     print(f"{kernel.__name__} split={split} {constants}: {maxnreg} registers at entry, partition budgets {found}, "
           f"spilled={spilled}, smem={shared}")
-    assert mma in ptx and spilled == 0 and shared <= 232448, (split, spilled, shared)
+    assert mma in ptx and spilled <= spill_allowed and shared <= 232448, (split, spilled, shared)
     assert "C7514" not in report, report
     assert set(budgets) <= set(found), (budgets, found)
 
-for split, block_n, stages in ((False, None, None), (True, None, None), (False, 32, 3)):
+for split, block_n, stages, l2_ahead in ((False, None, None, None), (True, None, None, None), (False, 32, 3, 0),
+                                         (False, None, None, 0)):
     cfg = dict(GLUON_CONFIG, **({"BLOCK_N": block_n, "stages": stages} if block_n else {}))
-    constants = dict(SPLIT=split, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["stages"],
+    cfg["l2_ahead"] = cfg["l2_ahead"] if l2_ahead is None else l2_ahead
+    constants = dict(SPLIT=split, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["stages"], L2_AHEAD=cfg["l2_ahead"],
                      GATHER_REGS=cfg["gather_regs"], VALUE_REGS=cfg["value_regs"])
     build(sparse_mla_decode_gluon_kernel, split, constants, cfg["maxnreg"], [cfg["gather_regs"], cfg["value_regs"]],
-          "wgmma.mma_async")
+          "wgmma.mma_async", spill_allowed=16 if cfg["l2_ahead"] else 0)
 for split, l2_ahead in ((False, True), (True, True), (False, False)):
     constants = dict(SPLIT=split, L2_AHEAD=l2_ahead, GATHER_REGS=GLUON16_CONFIG["gather_regs"])
     build(sparse_mla_decode_gluon16_kernel, split, constants, GLUON16_CONFIG["maxnreg"],
@@ -606,7 +611,7 @@ def require_hopper():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [{}, {"splits": 3}, {"BLOCK_N": 32, "stages": 3},
-                                    {"BLOCK_N": 32, "stages": 3, "splits": 2}])
+                                    {"BLOCK_N": 32, "stages": 3, "splits": 2}, {"l2_ahead": 0}, {"l2_ahead": 1}])
 @pytest.mark.parametrize("batch,s_q,heads", [(8, 2, 12), (8, 1, 40), (8, 2, 64), (4, 1, 128)])
 def test_gpu_gluon_kernel_matches_reference(config, batch, s_q, heads):
     """The Gluon kernel forced, against the reference: -1 scattered, a row with none, slots past the

@@ -190,7 +190,7 @@ SWEEP = [{"kernel": "triton", **settings} for settings in (
     {"splits": 1}, {"splits": 2}, {"splits": 4}, {"BH": 32}, {"prefetch": 2}, {"prefetch": 4})]
 GLUON_SWEEP = [{"kernel": "gluon", **settings} for settings in (
     {}, {"BLOCK_N": 32, "stages": 3}, {"BLOCK_N": 32, "stages": 4}, {"splits": 1}, {"splits": 2}, {"splits": 4},
-    {"gather_regs": 136, "value_regs": 160})]
+    {"l2_ahead": 0}, {"l2_ahead": 1}, {"gather_regs": 136, "value_regs": 160})]
 #: The 16-head Gluon kernel's (``launch.GLUON16_CONFIG``; on Hopper, up to 16 heads).
 GLUON16_SWEEP = [{"kernel": "gluon16", **settings} for settings in (
     {}, {"l2_ahead": 0}, {"splits": 1}, {"splits": 2}, {"splits": 3}, {"splits": 4})]

@@ -14,7 +14,10 @@ Three partitions of one warpgroup each share a program's shared memory:
   value partition through shared memory and accumulates value chunks 0-1 (``out[:, :256]``) with
   the weights as the wgmma's register operand;
 * the value partition (a worker) accumulates value chunks 2-3 (``out[:, 256:]``) with the same
-  weights read from shared memory.
+  weights read from shared memory; while its products run it bulk-prefetches into L2 the entries
+  of the tile ``L2_AHEAD + 1`` ahead, so the gatherer's loads of it wait on L2, not HBM (the
+  gatherer has no registers to spare for that, and a prefetch that waits on its slot load stalls
+  whichever partition issues it: the slots are loaded a tile earlier).
 
 A stage of the ring is free again once both accumulating partitions are past their products on
 it. The value partition gets the final ``1 / l`` the same way as the per-tile factors. With
@@ -45,6 +48,13 @@ RANK = gl.constexpr(512)
 ENTRY = gl.constexpr(656)
 LN2 = gl.constexpr(0.6931471805599453)
 
+# Bulk-prefetch the 656-B entry at $1 into L2 when $2 is non-zero.
+_PREFETCH_ASM = gl.constexpr("""{
+.reg .pred p;
+setp.ne.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], 656;
+mov.b32 $0, 0;
+}""")
 
 
 @gluon.constexpr_function
@@ -123,9 +133,11 @@ def _dequantized(codes, scale):
 
 
 @gluon.jit
-def _group_slots(idx_row, start, stop, group, ROWS: gl.constexpr):
-    """Slots of gather group ``group`` (ROWS slots each, counted over the split) in the chunk layout's rows."""
-    return _split_slots(idx_row, start, stop, group * ROWS, ROWS, gl.SliceLayout(1, _chunk_load_layout()))
+def _group_slots(slot_ptrs, left, group, ROWS: gl.constexpr):
+    """Slots of gather group ``group`` (ROWS slots each): ``slot_ptrs`` point at the split's first ROWS
+    slots and ``left`` says how many of the split's slots start at each ([ROWS], the chunk layout's rows);
+    ``-1`` past the split's end."""
+    return gl.load(slot_ptrs + group * ROWS, mask=group * ROWS < left, other=-1)
 
 
 @gluon.jit
@@ -150,16 +162,16 @@ def _gather_partition(k_smem, rope_smem, bias_smem, k_ready, k_empty, idx_row, s
     # slots are loaded before that. (Two groups ahead, or 8-slot groups three ahead, spill at these budgets.)
     ROWS: gl.constexpr = GATHER_ROWS
     GROUPS: gl.constexpr = BLOCK_N // ROWS
-    idx_row = idx_row + start  # the split's slots from here on (one register fewer to carry)
-    stop = stop - start
-    start = 0
-    cur = _load_entries(_group_slots(idx_row, start, stop, 0, ROWS), num_slots, pages_ptr, page_stride)
-    slot = _group_slots(idx_row, start, stop, 1, ROWS)
+    lanes = gl.arange(0, ROWS, layout=gl.SliceLayout(1, _chunk_load_layout()))
+    slot_ptrs = idx_row + start + lanes
+    left = stop - start - lanes
+    cur = _load_entries(_group_slots(slot_ptrs, left, 0, ROWS), num_slots, pages_ptr, page_stride)
+    slot = _group_slots(slot_ptrs, left, 1, ROWS)
     for t in range(n_tiles):
         s = t % STAGES
         for g in gl.static_range(GROUPS):
             nxt = _load_entries(slot, num_slots, pages_ptr, page_stride)
-            slot = _group_slots(idx_row, start, stop, t * GROUPS + g + 2, ROWS)
+            slot = _group_slots(slot_ptrs, left, t * GROUPS + g + 2, ROWS)
             if g == 0:
                 # Both accumulating partitions are done with this stage's previous tile.
                 mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
@@ -195,12 +207,33 @@ def _head_rows(out_ptr, lse_ptr, row, split, hb, num_heads, num_splits, SPLIT: g
 
 
 @gluon.jit
+def _tile_slots(idx_row, start, stop, t, BLOCK_N: gl.constexpr):
+    """Slots of tile ``t`` of the split [BLOCK_N], a slot a thread (``-1`` past the split)."""
+    return _split_slots(idx_row, start, stop, t * BLOCK_N, BLOCK_N, gl.BlockedLayout([1], [32], [4], [0]))
+
+
+@gluon.jit
+def _prefetch_entries(slot, num_slots, pages_ptr, page_stride):
+    """Bulk-prefetch the valid entries at ``slot`` into L2 (one instruction a slot)."""
+    entry, valid = _entry_pointers(slot, num_slots, pages_ptr, page_stride)
+    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [entry, valid.to(gl.int32)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _value_partition(k_smem, p_smem, factor_smem, k_ready, k_empty, p_ready, p_empty, n_tiles, out_ptr, lse_ptr,
-                     row, split, hb, num_heads, num_splits, SPLIT: gl.constexpr, STAGES: gl.constexpr):
+                     row, split, hb, num_heads, num_splits, idx_row, start, stop, num_slots, pages_ptr, page_stride,
+                     SPLIT: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, L2_AHEAD: gl.constexpr):
     VL: gl.constexpr = _value_layout()
     rows: gl.constexpr = gl.SliceLayout(1, VL)
     acc2 = gl.zeros([HEADS, CHUNK], gl.float32, VL)
     acc3 = gl.zeros([HEADS, CHUNK], gl.float32, VL)
+    if L2_AHEAD > 0:
+        # This partition waits on its products most of a tile: it bulk-prefetches the entries of the tile
+        # L2_AHEAD ahead into L2 for the gatherer, from slots it loaded a tile earlier (no wait on them).
+        for ahead in gl.static_range(1, L2_AHEAD + 1):
+            _prefetch_entries(_tile_slots(idx_row, start, stop, ahead, BLOCK_N), num_slots, pages_ptr, page_stride)
+        slot = _tile_slots(idx_row, start, stop, L2_AHEAD + 1, BLOCK_N)
     for t in range(n_tiles):
         s = t % STAGES
         mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
@@ -212,6 +245,9 @@ def _value_partition(k_smem, p_smem, factor_smem, k_ready, k_empty, p_ready, p_e
         acc3 = acc3 * alpha[:, None]
         acc2 = warpgroup_mma(p_smem, k_smem[2].index(s), acc2, is_async=True)
         acc3 = warpgroup_mma(p_smem, k_smem[3].index(s), acc3, is_async=True)
+        if L2_AHEAD > 0:
+            _prefetch_entries(slot, num_slots, pages_ptr, page_stride)  # tile t + L2_AHEAD + 1
+            slot = _tile_slots(idx_row, start, stop, t + L2_AHEAD + 2, BLOCK_N)
         acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2, acc3))
         mbarrier.arrive(p_empty, count=1)
         mbarrier.arrive(k_empty.index(s), count=1)
@@ -340,7 +376,7 @@ def sparse_mla_decode_gluon_kernel(
     num_heads, s_q, topk, keys_per_split, num_splits, num_slots, page_stride,
     stride_qb, stride_qs, stride_qh, stride_ib, stride_is,
     qk_scale,       # softmax_scale * log2(e)
-    SPLIT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    SPLIT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, L2_AHEAD: gl.constexpr,
     GATHER_REGS: gl.constexpr, VALUE_REGS: gl.constexpr,
 ):
     # Head blocks vary fastest, so the programs that read one row's slots run side by side (L2).
@@ -388,5 +424,6 @@ def sparse_mla_decode_gluon_kernel(
         (_gather_partition, (k_smem, rope_smem, bias_smem, k_ready, k_empty, idx_row, start, stop, n_tiles, num_slots,
                              pages_ptr, page_stride, BLOCK_N, STAGES)),
         (_value_partition, (k_smem, p_smem, factor_smem, k_ready, k_empty, p_ready, p_empty, n_tiles, out_ptr, lse_ptr,
-                            row, split, hb, num_heads, num_splits, SPLIT, STAGES)),
+                            row, split, hb, num_heads, num_splits, idx_row, start, stop, num_slots, pages_ptr,
+                            page_stride, SPLIT, STAGES, BLOCK_N, L2_AHEAD)),
     ], [4, 4], [GATHER_REGS, VALUE_REGS])

@@ -44,6 +44,7 @@ from dsacache.ops.sparse_mla.decode_gluon import (
     CHUNK,
     LN2,
     RANK,
+    _PREFETCH_ASM,
     ROPE,
     _chunk_load_layout,
     _entry_pointers,
@@ -56,14 +57,6 @@ from dsacache.ops.sparse_mla.decode_gluon import (
 HEADS = gl.constexpr(16)    # query heads a program: the wgmma N
 TILE = gl.constexpr(64)     # slots a tile: the wgmma M
 STAGES = gl.constexpr(2)    # tiles in the ring, one a gatherer
-
-# Bulk-prefetch the 656-B entry at $1 into L2 when $2 is non-zero.
-_PREFETCH_ASM = gl.constexpr("""{
-.reg .pred p;
-setp.ne.s32 p, $2, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], 656;
-mov.b32 $0, 0;
-}""")
 
 
 @gluon.constexpr_function
