@@ -208,16 +208,20 @@ def _head_rows(out_ptr, lse_ptr, row, split, hb, num_heads, num_splits, SPLIT: g
 
 @gluon.jit
 def _tile_slots(idx_row, start, stop, t, BLOCK_N: gl.constexpr):
-    """Slots of tile ``t`` of the split [BLOCK_N], a slot a thread (``-1`` past the split)."""
-    return _split_slots(idx_row, start, stop, t * BLOCK_N, BLOCK_N, gl.BlockedLayout([1], [32], [4], [0]))
+    """Slots of tile ``t`` of the split [BLOCK_N] in the chunk layout's rows (``-1`` past the split)."""
+    return _split_slots(idx_row, start, stop, t * BLOCK_N, BLOCK_N, gl.SliceLayout(1, _chunk_load_layout()))
 
 
 @gluon.jit
 def _prefetch_entries(slot, num_slots, pages_ptr, page_stride):
-    """Bulk-prefetch the valid entries at ``slot`` into L2 (one instruction a slot)."""
-    entry, valid = _entry_pointers(slot, num_slots, pages_ptr, page_stride)
-    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [entry, valid.to(gl.int32)], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    """Bulk-prefetch the valid entries at ``slot`` (in the chunk layout's rows) into L2, one thread of the
+    eight holding a row (both Gluon kernels)."""
+    PL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])  # the chunk layout's rows, a lane a column
+    entry, valid = _entry_pointers(gl.convert_layout(slot, gl.SliceLayout(1, PL)), num_slots, pages_ptr, page_stride)
+    lane = gl.arange(0, 8, layout=gl.SliceLayout(0, PL))
+    first = valid[:, None] & (lane == 0)[None, :]
+    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [entry[:, None] + (lane * 0)[None, :], first.to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

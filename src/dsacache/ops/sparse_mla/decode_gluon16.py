@@ -44,14 +44,12 @@ from dsacache.ops.sparse_mla.decode_gluon import (
     CHUNK,
     LN2,
     RANK,
-    _PREFETCH_ASM,
     ROPE,
-    _chunk_load_layout,
-    _entry_pointers,
     _load_entries,
+    _prefetch_entries,
     _queries_in_smem,
     _row_split,
-    _split_slots,
+    _tile_slots,
 )
 
 HEADS = gl.constexpr(16)    # query heads a program: the wgmma N
@@ -72,43 +70,26 @@ def _out_layout():
 
 
 @gluon.jit
-def _tile_slots(idx_row, start, stop, t):
-    """Slots of tile ``t`` of the split [64], in the gatherer's row layout (``-1`` past the split)."""
-    return _split_slots(idx_row, start, stop, t * TILE, TILE, gl.SliceLayout(1, _chunk_load_layout()))
-
-
-@gluon.jit
 def _codes_bf16(codes):
     """e4m3 codes (raw bytes) as bf16: exact, every e4m3 value is a bf16 value."""
     return codes.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
 
 
 @gluon.jit
-def _prefetch_tile(slot, num_slots, pages_ptr, page_stride):
-    """Bulk-prefetch the valid entries at ``slot`` [64] into L2, one thread of eight a row."""
-    PL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
-    entry, valid = _entry_pointers(gl.convert_layout(slot, gl.SliceLayout(1, PL)), num_slots, pages_ptr, page_stride)
-    lane = gl.arange(0, 8, layout=gl.SliceLayout(0, PL))
-    first = valid[:, None] & (lane == 0)[None, :]
-    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [entry[:, None] + (lane * 0)[None, :], first.to(gl.int32)],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _gather_partition(k_smem, rope_smem, scale_smem, bias_smem, k_ready, k_empty, idx_row, start, stop, n_tiles,
                       num_slots, pages_ptr, page_stride, FIRST: gl.constexpr, L2_AHEAD: gl.constexpr):
     s: gl.constexpr = FIRST  # one gatherer a stage
-    slot = _tile_slots(idx_row, start, stop, FIRST)
-    ahead = _tile_slots(idx_row, start, stop, FIRST + STAGES)
+    slot = _tile_slots(idx_row, start, stop, FIRST, TILE)
+    ahead = _tile_slots(idx_row, start, stop, FIRST + STAGES, TILE)
     for t in range(FIRST, n_tiles, STAGES):
         c0, c1, c2, c3, s0, s1, s2, s3, rope, valid = _load_entries(slot, num_slots, pages_ptr, page_stride)
         if L2_AHEAD:
             # This gatherer's next tile, whose slots arrived during the last round: into L2 now, so its
             # loads next round wait on L2, not HBM.
-            _prefetch_tile(ahead, num_slots, pages_ptr, page_stride)
+            _prefetch_entries(ahead, num_slots, pages_ptr, page_stride)
         # The slots two rounds ahead load beside these entries.
         slot = ahead
-        ahead = _tile_slots(idx_row, start, stop, t + 2 * STAGES)
+        ahead = _tile_slots(idx_row, start, stop, t + 2 * STAGES, TILE)
         # The loads above are in flight while the attender finishes this stage's previous tile.
         mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
         k_smem.index(4 * s).store(_codes_bf16(c0))
