@@ -18,7 +18,7 @@ from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.indexer_logits.decode_triton import paged_decode_kernel
 from dsacache.ops.indexer_logits.mxfp4_e4m3 import PTX_AVAILABLE
 from dsacache.ops.indexer_logits.prefill_triton import ragged_prefill_kernel
-from dsacache.ops.triton_utils import check_launch
+from dsacache.ops.triton_utils import check_launch, sm_count
 
 #: Paged decode settings (a tile is one 64-token page).
 DECODE_CONFIG = {
@@ -30,12 +30,18 @@ DECODE_CONFIG = {
     "maxnreg_cols": 64,    # caps apply up to this many product columns (next_n rounded up, times H); wider got slower
     "split_rows": {2: 64},  # next_n -> fewest heads at which a product a row (fewer accumulators) was faster
     "kernel": {2: "gluon", 3: "gluon", 4: "gluon"},  # FP8 keys, next_n -> kernel; at 1 row Triton is as fast
-    "fp8_gluon_tiles": 32,  # pages a program of the FP8 Gluon kernel: faster than 16 in the H200 probe
+    "fp8_gluon_tiles": 32,  # pages a program of the FP8 Gluon kernel: faster than 16 in the H200 probe (halved
+                            # while the grid is short of gluon_min_waves programs an SM)
+    "gluon_min_waves": 2,  # both Gluon decodes: fewer pages a program until the grid has this many programs an
+                           # SM (B = 32 at 8K: 128 programs of 32 pages took 1.5x the time of 512 of 8)
     "fp8_gluon_stages": 4,  # pages in flight in its TMA ring: covers the load latency (6 was no gain)
 }
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own).
 MXFP4_DECODE_CONFIG: dict = {
-    "TILES": 16,           # pages a program (Triton and Gluon; for Gluon 8 and 32 were slower)
+    "TILES": 16,           # pages a program (Triton; Gluon below 128 product columns, as fp8_gluon_tiles halved
+                           # on small grids: 8 and 32 were slower at the target shapes)
+    "gluon_wide_tiles": 32,  # pages a program of the Gluon kernel at 128 or more product columns (H = 64 with a
+                             # draft row): 1-8 % faster than 16 at every measured context
     "maxnreg_cols": 32,    # the cap helps at H = 32 and hurts at H = 64
     "maxnreg_rows": None,  # no cap with several rows
     "kernel": "gluon",     # Gluon on Hopper at every next_n: far fewer instructions a page than the Triton decode
@@ -156,30 +162,48 @@ def _launch_triton_decode(q, weights, context_lens, values, scales, block_table,
     )
 
 
+def gluon_pages_per_program(tiles: int, batch: int, max_model_len: int, num_sms: int | None, min_waves: int) -> int:
+    """Pages a program of a Gluon decode: ``tiles``, halved (down to 4) while the grid, a program per
+    request and run of pages, would have fewer than ``min_waves`` programs an SM. Each program is one
+    warpgroup that scores its pages one after another, so a short grid leaves SMs idle."""
+    if num_sms is None:
+        return tiles
+    while tiles > 4 and batch * triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles) < min_waves * num_sms:
+        tiles //= 2
+    return tiles
+
+
 def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_table, out, cfg) -> None:
-    """``decode_gluon.paged_decode_mxfp4_kernel``: reads whole pages (values, then scales)."""
+    """``decode_gluon.paged_decode_mxfp4_kernel``: reads whole pages (values, then scales);
+    ``gluon_wide_tiles`` or ``TILES`` pages a program (fewer on a short grid)."""
     from dsacache.ops.indexer_logits.decode_gluon import paged_decode_mxfp4_kernel
 
     batch, next_n, num_heads, head_dim = q.shape
     max_model_len = out.shape[1]
-    paged_decode_mxfp4_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * cfg["TILES"]), batch)](
+    wide = triton.next_power_of_2(next_n) * num_heads >= 128
+    tiles = gluon_pages_per_program(cfg["gluon_wide_tiles"] if wide else cfg["TILES"], batch, max_model_len,
+                                    sm_count(q.device), cfg["gluon_min_waves"])
+    paged_decode_mxfp4_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
         q, weights, context_lens, values, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
         out.stride(0), NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads,
-        PER_ROW=context_lens.dim() == 2, TILES=cfg["TILES"], num_warps=4,
+        PER_ROW=context_lens.dim() == 2, TILES=tiles, num_warps=4,
     )
 
 
 def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_table, out, cfg) -> None:
     """``decode_gluon.paged_decode_fp8_kernel``: key pages by TMA (a descriptor over the pool's
-    pages), ``fp8_gluon_tiles`` pages a program, a ring of ``fp8_gluon_stages`` pages."""
+    pages), ``fp8_gluon_tiles`` pages a program (fewer on a short grid), a ring of
+    ``fp8_gluon_stages`` pages."""
     from triton.experimental.gluon.language import NVMMASharedLayout
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from dsacache.ops.indexer_logits.decode_gluon import paged_decode_fp8_kernel
 
     batch, next_n, num_heads, head_dim = q.shape
-    max_model_len, tiles = out.shape[1], cfg["fp8_gluon_tiles"]
+    max_model_len = out.shape[1]
+    tiles = gluon_pages_per_program(cfg["fp8_gluon_tiles"], batch, max_model_len, sm_count(q.device),
+                                    cfg["gluon_min_waves"])
     k_desc = TensorDescriptor(values, list(values.shape), list(values.stride()), [1, KERNEL_PAGE_SIZE, head_dim],
                               NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
     paged_decode_fp8_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
