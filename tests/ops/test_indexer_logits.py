@@ -461,8 +461,8 @@ def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads, next_n):
     assert decode_kernel(q, values, scales, MXFP4) == "gluon"
     before = pool.clone()
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "mxfp4")
-    # The launcher's pages a program on this small grid (4), and the full run (gluon_min_waves 0).
-    for config in ({"kernel": "gluon"}, {"kernel": "gluon", "gluon_min_waves": 0}, {"kernel": "triton"}):
+    # The launcher's pages a program on this small grid (4), and the full run (no least grid).
+    for config in ({"kernel": "gluon"}, {"kernel": "gluon", "gluon_min_programs_per_sm": 0}, {"kernel": "triton"}):
         out = torch.full(ref.shape, float("nan"), device="cuda")
         launch_paged_decode(q, w, lens, values, scales, table, out, MXFP4, config)
         assert_close_to_reference(out, ref, "mxfp4")
@@ -510,8 +510,10 @@ def test_fp8_gluon_decode_matches_reference(heads, next_n, per_row):
     assert decode_kernel(q, values, scales, FP8) == ("gluon" if next_n > 1 else "triton")
     before = pool.clone()
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "fp8")
-    # The launcher's pages a program on this small grid (4), and the full 32 (gluon_min_waves 0).
-    for config in (gluon, {**gluon, "gluon_min_waves": 0}, {"kernel": "triton"}):
+    # The launcher's pages a program on this small grid (4 for Gluon, 2 for Triton), and the full
+    # runs (no least grid).
+    for config in (gluon, {**gluon, "gluon_min_programs_per_sm": 0}, {"kernel": "triton"},
+                   {"kernel": "triton", "triton_min_programs_per_sm": 0}):
         out = torch.full(ref.shape, float("nan"), device="cuda")
         launch_paged_decode(q, w, lens, values, scales, table, out, FP8, config)
         assert not torch.isnan(out).any(), "unwritten (NaN) logits"
@@ -519,18 +521,19 @@ def test_fp8_gluon_decode_matches_reference(heads, next_n, per_row):
     assert torch.equal(pool, before)
 
 
-def test_gluon_pages_per_program():
-    """Pages a program of the Gluon decodes: the setting where the grid has enough programs, halved
-    down to 4 on a short grid, unchanged where the SM count is unknown."""
-    from dsacache.ops.indexer_logits.launch import gluon_pages_per_program
+def test_pages_per_program():
+    """Pages a program of the decodes: the setting where the grid has enough programs, halved down to
+    the least on a short grid, unchanged where the SM count is unknown."""
+    from dsacache.ops.indexer_logits.launch import pages_per_program
 
-    assert gluon_pages_per_program(32, 64, 131072, 132, 2) == 32   # 4096 programs
-    assert gluon_pages_per_program(32, 128, 8192, 132, 2) == 32    # 512
-    assert gluon_pages_per_program(32, 32, 8192, 132, 2) == 8      # 128 and 256 are under 264
-    assert gluon_pages_per_program(16, 32, 8192, 132, 2) == 8
-    assert gluon_pages_per_program(32, 1, 9000, 132, 2) == 4       # never under 4
-    assert gluon_pages_per_program(32, 1, 9000, None, 2) == 32
-    assert gluon_pages_per_program(32, 1, 9000, 132, 0) == 32
+    assert pages_per_program(32, 64, 131072, 132, 2, 4) == 32   # 4096 programs
+    assert pages_per_program(32, 128, 8192, 132, 2, 4) == 32    # 512
+    assert pages_per_program(32, 32, 8192, 132, 2, 4) == 8      # 128 and 256 are under 264
+    assert pages_per_program(16, 32, 8192, 132, 2, 4) == 8
+    assert pages_per_program(32, 1, 9000, 132, 2, 4) == 4       # never under the least
+    assert pages_per_program(8, 1, 9000, 132, 8, 2) == 2
+    assert pages_per_program(32, 1, 9000, None, 2, 4) == 32
+    assert pages_per_program(32, 1, 9000, 132, 0, 4) == 32
 
 
 def test_fp8_gluon_decode_compiles_for_hopper():

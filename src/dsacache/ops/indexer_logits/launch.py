@@ -22,7 +22,10 @@ from dsacache.ops.triton_utils import check_launch, sm_count
 
 #: Paged decode settings (a tile is one 64-token page).
 DECODE_CONFIG = {
-    "TILES": 8,            # pages a program (Triton kernel): the fastest in the H200 sweep
+    "TILES": 8,            # pages a program (Triton kernel): the fastest in the H200 sweep (halved on short grids)
+    "triton_min_programs_per_sm": 4,  # Triton decode: fewer pages a program (down to 2) until the grid has this
+                                      # many programs an SM (B = 32 at 8K: 4 pages 9.1 us, 8 10.1, 2 9.9; at 8 a
+                                      # program, which picks 2, H = 64 was slower)
     "num_warps": 4,        # the MXFP4 table decode keeps its keys in registers only at 16 * num_warps tokens a tile
     "num_stages": 2,       # the pipeliner prefetches the next page's key values
     "maxnreg": 64,         # register cap with one query row (NVIDIA): one more program an SM
@@ -31,9 +34,10 @@ DECODE_CONFIG = {
     "split_rows": {2: 64},  # next_n -> fewest heads at which a product a row (fewer accumulators) was faster
     "kernel": {2: "gluon", 3: "gluon", 4: "gluon"},  # FP8 keys, next_n -> kernel; at 1 row Triton is as fast
     "fp8_gluon_tiles": 32,  # pages a program of the FP8 Gluon kernel: faster than 16 in the H200 probe (halved
-                            # while the grid is short of gluon_min_waves programs an SM)
-    "gluon_min_waves": 2,  # both Gluon decodes: fewer pages a program until the grid has this many programs an
-                           # SM (B = 32 at 8K: 128 programs of 32 pages took 1.5x the time of 512 of 8)
+                            # on short grids)
+    "gluon_min_programs_per_sm": 2,  # both Gluon decodes: fewer pages a program (down to 4) until the grid has this
+                                     # many programs an SM (B = 32 at 8K: 128 programs of 32 pages took 1.5x the
+                                     # time of 512 of 8)
     "fp8_gluon_stages": 4,  # pages in flight in its TMA ring: covers the load latency (6 was no gain)
 }
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own).
@@ -150,25 +154,28 @@ def _launch_triton_decode(q, weights, context_lens, values, scales, block_table,
     cap = cfg.get("maxnreg") if rows == 1 else cfg.get("maxnreg_rows")
     capped = cap and PTX_AVAILABLE and rows * num_heads <= cfg.get("maxnreg_cols", 0)
     extra = {"maxnreg": cap} if capped else {}
-    paged_decode_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * cfg["TILES"]), batch)](
+    tiles = pages_per_program(cfg["TILES"], batch, max_model_len, sm_count(q.device),
+                              cfg["triton_min_programs_per_sm"], 2)
+    paged_decode_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
         q, weights, context_lens, values, scales, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0),
         values.stride(0), scales.stride(0), max_model_len, out.stride(0),
         NEXT_N=next_n, ROWS=rows, H=num_heads, D=head_dim, PER_ROW=context_lens.dim() == 2,
         MXFP4=fmt.is_mxfp4, ALIGNED=_words_aligned(values), VALUE_BYTES=fmt.value_bytes,
         SCALES_PER_TOKEN=fmt.scale_bytes // scales.element_size(),
-        BLOCK_N=KERNEL_PAGE_SIZE, TILES=cfg["TILES"], SPLIT=_split_rows(cfg, next_n, num_heads),
+        BLOCK_N=KERNEL_PAGE_SIZE, TILES=tiles, SPLIT=_split_rows(cfg, next_n, num_heads),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
 
 
-def gluon_pages_per_program(tiles: int, batch: int, max_model_len: int, num_sms: int | None, min_waves: int) -> int:
-    """Pages a program of a Gluon decode: ``tiles``, halved (down to 4) while the grid, a program per
-    request and run of pages, would have fewer than ``min_waves`` programs an SM. Each program is one
-    warpgroup that scores its pages one after another, so a short grid leaves SMs idle."""
+def pages_per_program(tiles: int, batch: int, max_model_len: int, num_sms: int | None, min_per_sm: int,
+                      least: int) -> int:
+    """Pages a program of a decode kernel: ``tiles``, halved (down to ``least``) while the grid, a
+    program per request and run of pages, would have fewer than ``min_per_sm`` programs an SM. A
+    program scores its pages one after another, so a short grid leaves SMs idle."""
     if num_sms is None:
         return tiles
-    while tiles > 4 and batch * triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles) < min_waves * num_sms:
+    while tiles > least and batch * triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles) < min_per_sm * num_sms:
         tiles //= 2
     return tiles
 
@@ -181,8 +188,8 @@ def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_t
     batch, next_n, num_heads, head_dim = q.shape
     max_model_len = out.shape[1]
     wide = triton.next_power_of_2(next_n) * num_heads >= 128
-    tiles = gluon_pages_per_program(cfg["gluon_wide_tiles"] if wide else cfg["TILES"], batch, max_model_len,
-                                    sm_count(q.device), cfg["gluon_min_waves"])
+    tiles = pages_per_program(cfg["gluon_wide_tiles"] if wide else cfg["TILES"], batch, max_model_len,
+                              sm_count(q.device), cfg["gluon_min_programs_per_sm"], 4)
     paged_decode_mxfp4_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
         q, weights, context_lens, values, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
@@ -202,8 +209,8 @@ def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_tab
 
     batch, next_n, num_heads, head_dim = q.shape
     max_model_len = out.shape[1]
-    tiles = gluon_pages_per_program(cfg["fp8_gluon_tiles"], batch, max_model_len, sm_count(q.device),
-                                    cfg["gluon_min_waves"])
+    tiles = pages_per_program(cfg["fp8_gluon_tiles"], batch, max_model_len, sm_count(q.device),
+                              cfg["gluon_min_programs_per_sm"], 4)
     k_desc = TensorDescriptor(values, list(values.shape), list(values.stride()), [1, KERNEL_PAGE_SIZE, head_dim],
                               NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
     paged_decode_fp8_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
