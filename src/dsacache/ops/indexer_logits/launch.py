@@ -42,8 +42,8 @@ DECODE_CONFIG = {
 }
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own).
 MXFP4_DECODE_CONFIG: dict = {
-    "TILES": 16,           # pages a program (Triton; Gluon below 128 product columns, as fp8_gluon_tiles halved
-                           # on small grids: 8 and 32 were slower at the target shapes)
+    "TILES": 16,           # pages a program (Triton, and Gluon below 128 product columns: 8 and 32 were slower
+                           # there at the target shapes; halved on short grids)
     "gluon_wide_tiles": 32,  # pages a program of the Gluon kernel at 128 or more product columns (H = 64 with a
                              # draft row): 1-8 % faster than 16 at every measured context
     "maxnreg_cols": 32,    # the cap helps at H = 32 and hurts at H = 64
@@ -154,9 +154,8 @@ def _launch_triton_decode(q, weights, context_lens, values, scales, block_table,
     cap = cfg.get("maxnreg") if rows == 1 else cfg.get("maxnreg_rows")
     capped = cap and PTX_AVAILABLE and rows * num_heads <= cfg.get("maxnreg_cols", 0)
     extra = {"maxnreg": cap} if capped else {}
-    tiles = pages_per_program(cfg["TILES"], batch, max_model_len, sm_count(q.device),
-                              cfg["triton_min_programs_per_sm"], 2)
-    paged_decode_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
+    tiles, runs = _page_runs(q, max_model_len, cfg["TILES"], cfg["triton_min_programs_per_sm"], 2)
+    paged_decode_kernel[(runs, batch)](
         q, weights, context_lens, values, scales, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0),
         values.stride(0), scales.stride(0), max_model_len, out.stride(0),
@@ -180,6 +179,12 @@ def pages_per_program(tiles: int, batch: int, max_model_len: int, num_sms: int |
     return tiles
 
 
+def _page_runs(q: torch.Tensor, max_model_len: int, tiles: int, min_per_sm: int, least: int) -> tuple[int, int]:
+    """(pages a program, programs a request) of a decode launch on ``q``'s device (``pages_per_program``)."""
+    tiles = pages_per_program(tiles, q.shape[0], max_model_len, sm_count(q.device), min_per_sm, least)
+    return tiles, triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles)
+
+
 def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_table, out, cfg) -> None:
     """``decode_gluon.paged_decode_mxfp4_kernel``: reads whole pages (values, then scales);
     ``gluon_wide_tiles`` or ``TILES`` pages a program (fewer on a short grid)."""
@@ -187,13 +192,14 @@ def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_t
 
     batch, next_n, num_heads, head_dim = q.shape
     max_model_len = out.shape[1]
-    wide = triton.next_power_of_2(next_n) * num_heads >= 128
-    tiles = pages_per_program(cfg["gluon_wide_tiles"] if wide else cfg["TILES"], batch, max_model_len,
-                              sm_count(q.device), cfg["gluon_min_programs_per_sm"], 4)
-    paged_decode_mxfp4_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
+    rows = triton.next_power_of_2(next_n)
+    wide = rows * num_heads >= 128
+    tiles, runs = _page_runs(q, max_model_len, cfg["gluon_wide_tiles"] if wide else cfg["TILES"],
+                             cfg["gluon_min_programs_per_sm"], 4)
+    paged_decode_mxfp4_kernel[(runs, batch)](
         q, weights, context_lens, values, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
-        out.stride(0), NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads,
+        out.stride(0), NEXT_N=next_n, ROWS=rows, H=num_heads,
         PER_ROW=context_lens.dim() == 2, TILES=tiles, num_warps=4,
     )
 
@@ -209,11 +215,10 @@ def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_tab
 
     batch, next_n, num_heads, head_dim = q.shape
     max_model_len = out.shape[1]
-    tiles = pages_per_program(cfg["fp8_gluon_tiles"], batch, max_model_len, sm_count(q.device),
-                              cfg["gluon_min_programs_per_sm"], 4)
+    tiles, runs = _page_runs(q, max_model_len, cfg["fp8_gluon_tiles"], cfg["gluon_min_programs_per_sm"], 4)
     k_desc = TensorDescriptor(values, list(values.shape), list(values.stride()), [1, KERNEL_PAGE_SIZE, head_dim],
                               NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
-    paged_decode_fp8_kernel[(triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles), batch)](
+    paged_decode_fp8_kernel[(runs, batch)](
         q, weights, context_lens, k_desc, scales, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0), scales.stride(0), max_model_len, out.stride(0),
         NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads, PER_ROW=context_lens.dim() == 2,
