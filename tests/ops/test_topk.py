@@ -349,9 +349,9 @@ def test_topk_refuses_an_unknown_impl_or_launch_setting():
 
 def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
     """Where a Gluon kernel may run (Hopper, compiled CUDA; forced here so the rule is checked on
-    any machine): the row kernel for aligned logits up to ``row_max_len`` wide without row
-    starts; the Triton filter then the ballot select for wider or unaligned logits or row
-    starts; the Triton kernels alone when the settings do not tile the Gluon layouts or
+    any machine): the row kernel for aligned logits up to ``row_max_len`` wide, without row
+    starts or with them (prefill windows); the Triton filter then the ballot select for wider
+    or unaligned logits; the Triton kernels alone when the settings do not tile the Gluon layouts or
     ``select="triton"``."""
     pytest.importorskip("triton")
     from dsacache.ops.topk import launch
@@ -367,7 +367,6 @@ def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
     assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(row_warps=128)) == "gluon"  # bins / 32 warps
     assert select_kernel(torch.zeros(4, 131072), k, TopkConfig(gluon_select_warps=128)) == "triton"
     assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(select="triton")) == "triton"
-    assert select_kernel(torch.zeros(4, 32768), k, has_starts=True) == "gluon"  # prefill windows
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -502,8 +501,44 @@ def test_topk_gpu_long_windows_with_row_starts(width):
     logits[2] = logits[2].sort().values
     starts = torch.tensor([0, 1, 257, 1000, width - 5000, 3], dtype=torch.int32, device="cuda")
     lens = torch.tensor([width, width - 1, width - 300, 4000, 5000, width - 3], dtype=torch.int32, device="cuda")
+    ref = run_topk("torch", logits, lens, k, row_starts=starts)
     out = run_topk("triton", logits, lens, k, row_starts=starts)
-    assert torch.equal(out, run_topk("torch", logits, lens, k, row_starts=starts))
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, width", [(6, 8_192), (40, 20_000), (130, 32_768)])
+def test_row_kernel_on_prefill_windows(rows, width):
+    """The Hopper row kernel on rows with row starts (prefill windows: start = the query's
+    first visible column, some cutting into a filter tile, some shorter than the sampled
+    path's threshold): each row it takes equals the reference, each row it leaves is untouched,
+    and the full launch (the Triton select after it) equals the reference."""
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon row kernel runs on Hopper and newer")
+    k = 2048
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, width, device="cuda", generator=gen)
+    logits[:, ::97] = logits[:, ::97].round()  # exact ties near every cut-off
+    # Windows of at least 3/4 of the row: the cut-off stays clear of the rounded ties at 0.0,
+    # which would fill the chosen bin past TIES and send those rows to the Triton select.
+    starts = torch.randint(0, width // 4, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    starts[:3] = torch.tensor([0, 1, 255], dtype=torch.int32)
+    lens = (width - starts).to(torch.int32)
+    lens[3] = 5000  # a window shorter than the row, ending mid-row
+    lens[4] = 3000  # short: not sampled, left to the Triton select
+    assert select_kernel(logits, k) == "row"
+    ref = run_topk("torch", logits, lens, k, row_starts=starts)
+    only = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
+    launch_topk(logits, lens, starts, only, TopkConfig(select="gluon-only"))
+    taken = (only != -7).all(dim=1)
+    assert taken.float().mean() > 0.6, f"the row kernel left windows {(~taken).nonzero().flatten().tolist()}"
+    assert torch.equal(only[taken], ref[taken])
+    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the row kernel"
+    out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
+    launch_topk(logits, lens, starts, out)
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.gpu

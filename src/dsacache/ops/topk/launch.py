@@ -12,9 +12,10 @@ A row of ``n`` valid logits is selected one of two ways:
   3. the exact top k from them (``select_triton.py``, or ``select_gluon.py`` on Hopper).
 
 On Hopper and newer (compiled CUDA), logits up to ``TopkConfig.row_max_len`` wide with
-16-byte aligned rows and no row starts take one launch of ``row_gluon.topk_row_kernel`` for
-all three steps, a program a row; other logits take the Triton cut-off and filter, then the
-Gluon ballot select (``select_gluon.topk_select_ballot_kernel``). Either way ``select_triton.topk_select_kernel``
+16-byte aligned rows (decode rows, or prefill windows with row starts) take one launch of
+``row_gluon.topk_row_kernel`` for all three steps, a program a row; other logits take the
+Triton cut-off and filter, then the Gluon ballot select
+(``select_gluon.topk_select_ballot_kernel``). Either way ``select_triton.topk_select_kernel``
 then finishes the rows the Gluon kernel leaves (short rows, a missed cut-off, a skewed row).
 Elsewhere the steps are three Triton kernels,
 ``cutoff.topk_cutoff_kernel`` (a program a row), ``filter.topk_filter_kernel`` (PROGS
@@ -140,7 +141,7 @@ def select_first_load(k: int, samples: int, width: int, seg: int, progs: int) ->
     return min(seg, triton.next_power_of_2(int(mean + 4 * mean**0.5) + 1))
 
 
-def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int, has_starts: bool = False) -> _Plan:
+def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int) -> _Plan:
     rows, width = logits.shape
     num_sms = sm_count(logits.device) or 1
     cap = cfg.cap or max(128, triton.next_power_of_2(CANDIDATES_PER_K * k))
@@ -148,9 +149,7 @@ def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int, has_starts: bool = Fals
     streamed = l2_bytes is not None and rows * logits.stride(0) * logits.element_size() > l2_bytes
     vec = cfg.vec or (4 if streamed else 8)
     gluon = _gluon_allowed(cfg, logits)
-    # Row starts (prefill windows) keep the three-kernel path: the row kernel takes them, but has
-    # not yet been tested on them on a GPU.
-    row = gluon and not has_starts and width <= cfg.row_max_len and _row_kernel_fits(cfg, logits, cap, vec)
+    row = gluon and width <= cfg.row_max_len and _row_kernel_fits(cfg, logits, cap, vec)
     progs = cfg.row_warps if row else cfg.progs or filter_programs(rows, num_sms, cap)
     load = cfg.load or select_first_load(k, cfg.samples, width, cap // progs, progs)
     if row and load % 32 == 0:
@@ -191,11 +190,10 @@ def _aligned(logits: torch.Tensor) -> bool:
     return logits.shape[1] % 4 == 0 and logits.stride(0) % 4 == 0 and logits.data_ptr() % 16 == 0
 
 
-def select_kernel(logits: torch.Tensor, k: int, config: TopkConfig | None = None, has_starts: bool = False) -> str:
-    """What a launch on ``logits`` (with row starts or not) runs before the Triton select (for
-    reports): "row" (the Hopper row kernel), "gluon" (cut-off, filter, Gluon ballot select) or
-    "triton"."""
-    return _plan(config or TopkConfig(), logits, k, has_starts).first
+def select_kernel(logits: torch.Tensor, k: int, config: TopkConfig | None = None) -> str:
+    """What a launch on ``logits`` runs before the Triton select (for reports): "row" (the
+    Hopper row kernel), "gluon" (cut-off, filter, Gluon ballot select) or "triton"."""
+    return _plan(config or TopkConfig(), logits, k).first
 
 
 def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor | None, out: torch.Tensor,
@@ -210,7 +208,7 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     check_launch(lens.is_contiguous() and (starts is None or starts.is_contiguous()),
                  "contiguous lengths and row starts")
     rows, k = logits.shape[0], out.shape[1]
-    plan = _plan(cfg, logits, k, starts is not None)
+    plan = _plan(cfg, logits, k)
     cap, progs, vec = plan.cap, plan.progs, plan.vec
     check_launch(cap & (cap - 1) == 0 and progs & (progs - 1) == 0 and 128 * progs <= cap < 2**16,
                  "cap and progs powers of two, 128 * progs <= cap < 65536")
