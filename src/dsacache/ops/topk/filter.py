@@ -195,9 +195,14 @@ def filter_tile_ptx(v: int) -> str:
     The tile is laid out as the 4-wide loads leave it: a lane holds ``v / 4`` runs of 4 adjacent
     logits, run ``r`` of lane ``l`` at tile columns ``128 r + 4 l .. + 3``. Position order is run,
     then lane, then column, so each lane counts its kept logits per run in one 8-bit field of a
-    packed word, and one warp scan of that word gives every run's lane offsets at once. The
-    per-candidate work (key, histogram bin, stores) runs only for the columns where some lane of
-    the warp keeps one (``vote.any`` + uniform branch): candidates are ~2 % of the logits.
+    packed word, and one warp scan of that word gives every run's lane offsets at once.
+
+    The per-candidate work (key, histogram bin, stores) then runs in passes over the lanes'
+    kept values: a pass takes each lane's lowest kept value not yet written (picked from the
+    lane's ``v`` registers by a select tree over its index), so a tile takes as many passes as
+    its busiest lane keeps values. A 32K row keeps ~9 % of its logits (``cutoff.py``'s target):
+    about 3 passes a tile at v = 8, against 8 column steps (some lane keeps almost every column)
+    before, which also cuts the stores a tile from 16 mostly idle ones to about 6.
     Operands (``pack=v``, each input passed as v registers, only the first read for the scalar
     ones): out count; x bits, positions, count, cut-off float bits, span, cut-off key, shift,
     segment and histogram pointers, segment capacity, last bin.
@@ -207,8 +212,10 @@ def filter_tile_ptx(v: int) -> str:
     arg = lambda k, i=0: f"${v + k * v + i}"     # noqa: E731
     x, pos, count, cutf, span, cut, shift, seg, hist, cap, last = range(11)
     offset = lambda i: 128 * (i // 4) + i % 4    # noqa: E731  (column of value i from the lane's first)
-    lines = ["{", f".reg .pred q, y, {', '.join(f'k{i}' for i in range(v))};",
-             ".reg .b32 c, s, t, ex, tot, acc, key, bin, p;", f".reg .b32 {', '.join(f'b{r}' for r in range(runs))};",
+    index_bits = (v - 1).bit_length()            # bits of a value's index in the lane: the select tree's depth
+    lines = ["{", f".reg .pred q, y, {', '.join(f'k{i}' for i in range(v))}, {', '.join(f's{b}' for b in range(4))};",
+             ".reg .b32 c, s, t, u, ex, tot, acc, key, bin, p, m, j;",
+             f".reg .b32 {', '.join(f'b{r}' for r in range(runs))}, {', '.join(f'w{i}' for i in range(v // 2))};",
              ".reg .b64 a;"]
     # kept: >= the cut-off and, in a tile that is not wholly inside the row's window, inside it
     # (positions are read from the lane's first value only: ptxas drops the rest)
@@ -219,8 +226,10 @@ def filter_tile_ptx(v: int) -> str:
     for i in range(v):
         lines += [f"add.s32 p, {arg(pos)}, {offset(i)};", f"setp.lt.u32 q, p, {arg(span)};",
                   f"setp.ge.and.f32 k{i}, {arg(x, i)}, {arg(cutf)}, q;"]
-    lines += ["KEPT_${:uid}:", "mov.b32 c, 0;"]
+    # c: kept values a run (8-bit fields); m: the lane's kept values as a bit mask
+    lines += ["KEPT_${:uid}:", "mov.b32 c, 0;", "mov.b32 m, 0;"]
     lines += [f"@k{i} add.u32 c, c, {1 << (8 * (i // 4))};" for i in range(v)]
+    lines += [f"@k{i} or.b32 m, m, {1 << i};" for i in range(v)]
     lines.append("mov.b32 s, c;")
     for d in (1, 2, 4, 8, 16):
         lines += [f"shfl.sync.up.b32 t|y, s, {d}, 0, -1;", "@y add.u32 s, s, t;"]
@@ -229,17 +238,28 @@ def filter_tile_ptx(v: int) -> str:
         lines += [f"bfe.u32 t, ex, {8 * r}, 8;", f"add.u32 b{r}, acc, t;",
                   f"bfe.u32 t, tot, {8 * r}, 8;", "add.u32 acc, acc, t;"]
     lines += ["setp.eq.u32 y, tot, 0;", "@y bra.uni DONE_${:uid};"]
-    for i in range(v):
-        b = f"b{i // 4}"
-        lines += [f"vote.sync.any.pred y, k{i}, -1;", f"@!y bra.uni SKIP{i}_${{:uid}};",
-                  f"shr.s32 t, {arg(x, i)}, 31;", "or.b32 t, t, 0x80000000;", f"xor.b32 key, {arg(x, i)}, t;",
-                  f"sub.u32 bin, key, {arg(cut)};", f"shr.u32 bin, bin, {arg(shift)};",
-                  f"min.u32 bin, bin, {arg(last)};", f"add.s32 p, {arg(pos)}, {offset(i)};",
-                  f"setp.lt.and.s32 q, {b}, {arg(cap)}, k{i};",
-                  f"mad.wide.s32 a, {b}, 8, {arg(seg)};", "@q st.global.v2.b32 [a], {key, p};",
-                  f"mad.wide.u32 a, bin, 4, {arg(hist)};", f"@k{i} red.global.add.u32 [a], 1;",
-                  f"@k{i} add.u32 {b}, {b}, 1;", f"SKIP{i}_${{:uid}}:"]
-    lines.append("DONE_${:uid}:")
+    # a pass: j = the lane's lowest kept value left (y: the lane has one), cleared from m
+    lines += ["PASS_${:uid}:", "setp.ne.u32 y, m, 0;", "vote.sync.any.pred q, y, -1;", "@!q bra.uni DONE_${:uid};",
+              "brev.b32 t, m;", "clz.b32 j, t;", "sub.u32 t, m, 1;", "and.b32 m, m, t;"]
+    for b in range(index_bits):
+        lines += [f"and.b32 t, j, {1 << b};", f"setp.ne.u32 s{b}, t, 0;"]
+    level = [arg(x, i) for i in range(v)]  # x[j]: bit b of j picks within each pair of level b
+    for b in range(index_bits):
+        lines += [f"selp.b32 w{h}, {level[2 * h + 1]}, {level[2 * h]}, s{b};" for h in range(len(level) // 2)]
+        level = [f"w{h}" for h in range(len(level) // 2)]
+    lines += [f"shr.s32 t, {level[0]}, 31;", "or.b32 t, t, 0x80000000;", f"xor.b32 key, {level[0]}, t;",
+              f"sub.u32 bin, key, {arg(cut)};", f"shr.u32 bin, bin, {arg(shift)};", f"min.u32 bin, bin, {arg(last)};",
+              "shr.u32 t, j, 2;", "shl.b32 t, t, 7;", "and.b32 u, j, 3;", f"add.s32 p, {arg(pos)}, t;",
+              "add.s32 p, p, u;"]
+    # its slot: the next one of run j >> 2 (bits 2 and 3 of j)
+    lines += {1: ["mov.b32 u, b0;"], 2: ["selp.b32 u, b1, b0, s2;"],
+              4: ["selp.b32 t, b1, b0, s2;", "selp.b32 u, b3, b2, s2;", "selp.b32 u, u, t, s3;"]}[runs]
+    lines += [f"setp.lt.and.s32 q, u, {arg(cap)}, y;", f"mad.wide.s32 a, u, 8, {arg(seg)};",
+              "@q st.global.v2.b32 [a], {key, p};", f"mad.wide.u32 a, bin, 4, {arg(hist)};",
+              "@y red.global.add.u32 [a], 1;", "shr.u32 t, j, 2;"]
+    for r in range(runs):
+        lines += [f"setp.eq.and.u32 q, t, {r}, y;", f"@q add.u32 b{r}, b{r}, 1;"]
+    lines += ["bra.uni PASS_${:uid};", "DONE_${:uid}:"]
     lines += [f"mov.b32 {out(i)}, acc;" for i in range(v)]
     lines.append("}")
     return "\n".join(lines)

@@ -76,6 +76,33 @@ def _histogram_cut(hist, want, HL: gl.constexpr):
 
 
 @gluon.jit
+def _candidate_bin_cut(hist_row, want, BINS: gl.constexpr, W: gl.constexpr):
+    """``_histogram_cut`` of the row's candidate histogram (``hist_row`` [BINS]) with one CTA
+    barrier: warp w sums bins [w BINS / W, (w + 1) BINS / W); every thread takes the W sums to
+    find the warp range holding the want-th largest; each warp then loads that range again
+    and cuts it with warp-local scans. (``_histogram_cut`` over all BINS takes a CTA-wide
+    reduction or scan, each with its barriers, for every one of its five steps.)"""
+    PER: gl.constexpr = BINS // W
+    L2: gl.constexpr = gl.BlockedLayout([1, PER // 32], [1, 32], [W, 1], [1, 0])   # warp w: range w
+    WL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])                      # all W sums in each thread
+    RL: gl.constexpr = gl.BlockedLayout([PER // 32], [32], [W], [0])               # one range in each warp
+    rng = gl.arange(0, W, layout=gl.SliceLayout(1, L2))
+    hist = gl.load(hist_row + rng[:, None] * PER + gl.arange(0, PER, layout=gl.SliceLayout(0, L2))[None, :])
+    sums = gl.convert_layout(gl.sum(hist, axis=1), WL)
+    w = gl.arange(0, W, layout=WL)
+    above = gl.sum(sums, axis=0) - gl.associative_scan(sums, 0, _add)   # in the ranges after w
+    chosen_w = gl.maximum(gl.sum((above + sums >= want).to(gl.int32), axis=0) - 1, 0)
+    above_w = gl.sum(gl.where(w == chosen_w, above, 0), axis=0)
+    b = gl.arange(0, PER, layout=RL)
+    part = gl.load(hist_row + chosen_w * PER + b)
+    at_least = above_w + gl.sum(part, axis=0) - gl.associative_scan(part, 0, _add) + part
+    within = gl.sum((at_least >= want).to(gl.int32), axis=0) - 1
+    in_bin = gl.sum(gl.where(b == within, part, 0), axis=0)
+    above_bin = gl.sum(gl.where(b > within, part, 0), axis=0) + above_w
+    return chosen_w * PER + within, want - above_bin, in_bin
+
+
+@gluon.jit
 def _tie_cut(tie_keys, tie_pos, in_bin, left, TIES: gl.constexpr, num_warps: gl.constexpr):
     """The ``left``-th of the ``in_bin`` scratch candidates in the order distance (largest
     first) then position (lowest first), as (distance, position)."""
@@ -109,7 +136,6 @@ def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_po
     NCH: gl.constexpr = PROGS * CPS
     # Warp w: chunks [w NCH / W, (w + 1) NCH / W) in its registers, lane l: slot l of each.
     CH: gl.constexpr = gl.BlockedLayout([NCH // W, 1], [1, 32], [W, 1], [1, 0])
-    HL: gl.constexpr = gl.BlockedLayout([BINS // (32 * W)], [32], [W], [0])
     ch = gl.arange(0, NCH, layout=gl.SliceLayout(1, CH))
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, CH))
     seg_of = ch // CPS
@@ -117,10 +143,9 @@ def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_po
     # Every load first, none masked by another's value (slots past a count hold garbage, masked below).
     pair = gl.load(seg_row + (seg_of * SEG)[:, None] + slot)
     count = gl.load(counts_row + seg_of)
-    hist = gl.load(hist_row + gl.arange(0, BINS, layout=HL))
     want = gl.minimum(n, K)
     total = gl.sum(count, axis=0) // CPS           # each segment's count is held by its CPS chunks
-    chosen, left, in_bin = _histogram_cut(hist, want, HL)
+    chosen, left, in_bin = _candidate_bin_cut(hist_row, want, BINS, W)
     fast = ((total >= want) & (total <= CAP) & (gl.max(count, axis=0) <= LOAD)
             & ((left == in_bin) | (in_bin <= TIES)))
     if fast:
