@@ -93,13 +93,9 @@ def _candidate_bin_cut(hist_row, want, BINS: gl.constexpr, W: gl.constexpr):
     above = gl.sum(sums, axis=0) - gl.associative_scan(sums, 0, _add)   # in the ranges after w
     chosen_w = gl.maximum(gl.sum((above + sums >= want).to(gl.int32), axis=0) - 1, 0)
     above_w = gl.sum(gl.where(w == chosen_w, above, 0), axis=0)
-    b = gl.arange(0, PER, layout=RL)
-    part = gl.load(hist_row + chosen_w * PER + b)
-    at_least = above_w + gl.sum(part, axis=0) - gl.associative_scan(part, 0, _add) + part
-    within = gl.sum((at_least >= want).to(gl.int32), axis=0) - 1
-    in_bin = gl.sum(gl.where(b == within, part, 0), axis=0)
-    above_bin = gl.sum(gl.where(b > within, part, 0), axis=0) + above_w
-    return chosen_w * PER + within, want - above_bin, in_bin
+    part = gl.load(hist_row + chosen_w * PER + gl.arange(0, PER, layout=RL))
+    within, left, in_bin = _histogram_cut(part, want - above_w, RL)
+    return chosen_w * PER + within, left, in_bin
 
 
 @gluon.jit
