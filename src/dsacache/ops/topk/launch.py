@@ -60,8 +60,9 @@ class TopkConfig:
     samples: int = 2048
     #: adjacent logits a sample run: 8 fp32 are one 32-byte memory sector
     sample_run: int = 8
-    #: bits a radix pass of the cut-off search fixes (16 bins: a cheap histogram, 8 passes at most)
-    sample_bits: int = 4
+    #: bits a radix pass of the cut-off search fixes (32 bins, 6 passes at most, the last two bits left 0, which
+    #: only lowers the cut-off): 0.3-0.8 us faster than 4 bits at every measured shape, 6 and 8 bits slower
+    sample_bits: int = 5
     #: warps of the cut-off kernel's one program a row (the samples in registers, 8 a thread)
     cutoff_warps: int = 8
     #: candidate buffer a row, a power of two (None: CANDIDATES_PER_K * k)
