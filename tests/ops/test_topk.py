@@ -600,9 +600,9 @@ pointers = ["logits_ptr", "lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift
             "counts_ptr", "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]
 signature = {{name: "*i32" for name in pointers}}
 signature.update(logits_ptr="*fp32", seg_ptr="*i64", row_stride="i32", width="i32", stride_tie="i32")
-constants = dict(K=2048, SAMPLES=2048, SAMPLE_RUN=8, SAMPLE_BITS=4, SEG=8192 // W, LOAD=256, CAP=8192, BINS=2048,
-                 TIES=32, V=V, TILE_PTX=filter_tile_ptx(V), TILE_REGS=filter_tile_regs(V), AHEAD=1, HAS_STARTS=True,
-                 PDL=True)
+constants = dict(K=2048, SAMPLES=2048, SAMPLE_RUN=8, SAMPLE_BITS=TopkConfig().sample_bits, SEG=8192 // W, LOAD=256,
+                 CAP=8192, BINS=2048, TIES=32, V=V, TILE_PTX=filter_tile_ptx(V), TILE_REGS=filter_tile_regs(V), AHEAD=1,
+                 HAS_STARTS=True, PDL=True)
 signature.update({{name: "constexpr" for name in constants}})
 attrs = {{(0,): [["tt.divisibility", 16]]}}
 compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
