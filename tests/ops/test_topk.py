@@ -542,6 +542,49 @@ def test_row_kernel_on_prefill_windows(rows, width):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("width, with_starts", [(8_192, False), (20_000, True), (32_768, False), (32_768, True)])
+def test_row_kernel_keeps_skewed_rows(width, with_starts):
+    """Rows whose largest logits bunch in a few warps' slices (sorted either way, ramps, one hot
+    slice, a ramp with exact ties at the cut-off) overfill those warps' segments; the row kernel
+    selects them by scanning the slices again (``_rescan_select``): every such row is taken by
+    the row kernel alone and equals the reference, and the full launch does too."""
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon row kernel runs on Hopper and newer")
+    k = 2048
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    logits = torch.randn(8, width, device="cuda", generator=gen)
+    logits[0] = logits[0].sort().values                                      # ascending: the last slices
+    logits[1] = logits[1].sort(descending=True).values                       # descending: the first slices
+    logits[2] += torch.linspace(0, 6, width, device="cuda")                  # a steep ramp
+    logits[3] += torch.linspace(3, 0, width, device="cuda")                  # a ramp down
+    logits[4, width // 3:width // 3 + 2500] += 4.0                           # one hot stretch
+    logits[5] = (logits[5] + torch.linspace(0, 6, width, device="cuda")).mul(8).round()  # ramp with exact ties
+    logits[6] = torch.arange(width, device="cuda").float()                  # distinct and sorted
+    if with_starts:
+        starts = torch.randint(0, width // 8, (8,), device="cuda", generator=gen, dtype=torch.int32)
+        starts[0] = 3
+        lens = (width - starts).to(torch.int32)
+        lens[7] = width // 2  # a random window ending mid-row
+    else:
+        starts = None
+        lens = torch.full((8,), width, dtype=torch.int32, device="cuda")
+    assert select_kernel(logits, k) == "row"
+    ref = run_topk("torch", logits, lens, k, row_starts=starts)
+    only = torch.full((8, k), -7, dtype=torch.int32, device="cuda")
+    launch_topk(logits, lens, starts, only, TopkConfig(select="gluon-only"))
+    taken = (only != -7).all(dim=1)
+    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the row kernel"
+    assert torch.equal(only[taken], ref[taken])
+    assert taken[[0, 1, 2, 3, 4, 6]].all(), f"the row kernel left rows {(~taken).nonzero().flatten().tolist()}"
+    for _ in range(2):
+        out = torch.full((8, k), -7, dtype=torch.int32, device="cuda")
+        launch_topk(logits, lens, starts, out)
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows, length, pdl, first", [(3, 20_000, True, "row"), (64, 131_072, True, "gluon"),
                                                       (256, 32_768, True, "row"), (64, 32_768, False, "row"),
                                                       (5, 8_192, True, "row"), (7, 40_000, False, "gluon")])

@@ -16,7 +16,8 @@ On Hopper and newer (compiled CUDA), logits up to ``TopkConfig.row_max_len`` wid
 ``row_gluon.topk_row_kernel`` for all three steps, a program a row; other logits take the
 Triton cut-off and filter, then the Gluon ballot select
 (``select_gluon.topk_select_ballot_kernel``). Either way ``select_triton.topk_select_kernel``
-then finishes the rows the Gluon kernel leaves (short rows, a missed cut-off, a skewed row).
+then finishes the rows the Gluon kernel leaves (short rows, a missed cut-off, a chosen bin
+too full to cut; after the ballot select also a skewed row, which the row kernel keeps).
 Elsewhere the steps are three Triton kernels,
 ``cutoff.topk_cutoff_kernel`` (a program a row), ``filter.topk_filter_kernel`` (PROGS
 one-warp programs a row) and ``select_triton.topk_select_kernel``, whose own branches cover a

@@ -10,15 +10,17 @@ the same steps with a CTA barrier between them, which is faster for rows up to 3
 2. the filter: warp w scans slice w of the row (``filter.filter_slice`` with PROGS = W) with
    the filter's tile PTX (``filter.filter_tile_ptx``): candidates at or above the cut-off, in
    position order, into segment w, and counted into the row's histogram;
-3. the select: ``select_gluon.ballot_select`` over the W segments.
+3. the select: ``select_gluon.ballot_select`` over the W segments or, for a skewed row (some
+   warp's slice kept more candidates than its segment loads), ``_rescan_select``: two more
+   scans of each slice, one counting each warp's takes, one writing them.
 
 It takes logits up to ``TopkConfig.row_max_len`` wide (``launch.py``): a longer row is
 streamed faster by the Triton filter's many one-warp programs spread over the SMs.
 The first filter tile is loaded before the samples are narrowed, so its latency hides behind
 that. Every output of steps 1 and 2 (cut-off, shift, histogram, segments, counts) is written
 where and as the Triton kernels write it, so a row this kernel leaves (``done = 0``: a short
-row, a missed cut-off, a skewed row, a chosen bin with more than TIES candidates) is
-finished by ``select_triton.topk_select_kernel`` with ``SKIP_DONE``, launched after it.
+row, a missed cut-off, a chosen bin with more than TIES candidates to cut) is finished by
+``select_triton.topk_select_kernel`` with ``SKIP_DONE``, launched after it.
 Rows must be 16-byte aligned (the tile PTX loads 4 logits at once).
 """
 
@@ -28,14 +30,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsacache.ops.topk.cutoff import bit_length, float_cut
-from dsacache.ops.topk.keys import key_to_float, sortable_key
-from dsacache.ops.topk.select_gluon import _gdc_launch_dependents, _histogram_cut, _long_row, _row_window, \
-    ballot_select
+from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
+from dsacache.ops.topk.select_gluon import _add, _candidate_bin_cut, _gdc_launch_dependents, _histogram_cut, \
+    _long_row, _row_window, _tie_cut, ballot_select
 
 
 # The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
 # definition of the key order and of the cut-off's rounding for both paths.
 _sortable_key = gluon.jit(sortable_key.fn)
+_sortable_key_not_nan = gluon.jit(sortable_key_not_nan.fn)
 _key_to_float = gluon.jit(key_to_float.fn)
 _bit_length = gluon.jit(bit_length.fn)
 _float_cut = gluon.jit(float_cut.fn)
@@ -124,6 +127,128 @@ def _filter(row_ptr, x, col, start, hi, limit, tiles, cut, shift, seg, hist_row,
 
 
 @gluon.jit
+def _warp_slices(start, n, TILE: gl.constexpr, FL: gl.constexpr):
+    """The filter's slices of the row's window (``filter.filter_slice``, whole tiles, tile-aligned,
+    a warp each): (first column, columns a slice, each warp's lo and hi, its load limit [W, 1])."""
+    W: gl.constexpr = gl.num_warps()
+    end = start + n
+    first = gl.multiple_of((start // TILE) * TILE, TILE)
+    chunk = gl.multiple_of(gl.cdiv(gl.cdiv(end - first, W), TILE) * TILE, TILE)
+    lo = first + gl.arange(0, W, layout=gl.SliceLayout(1, FL)) * chunk
+    hi = gl.minimum(lo + chunk, end)
+    return first, chunk, lo, hi, (gl.cdiv(hi, 4) * 4)[:, None]
+
+
+@gluon.jit
+def _tile_bins(x, col, start, hi, cut_f, cut, shift, BINS: gl.constexpr):
+    """A tile of each warp's slice: (distance above the cut-off, candidate bin, kept) of each
+    logit, kept as the filter keeps it (in the row's window, ``x >= float(cut)``)."""
+    kept = (x >= cut_f) & (col >= start) & (col < hi)
+    dist = _sortable_key_not_nan(x) - cut
+    return dist, gl.minimum(dist >> shift, BINS - 1).to(gl.int32), kept
+
+
+@gluon.jit
+def _tie_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, chunk, TIES: gl.constexpr,
+                       FL: gl.constexpr):
+    """How many of the chosen bin's candidates (the scratch's first ``in_bin``) each warp's slice
+    holds among those at or above (cut_d, cut_p): [W] in the filter layout's warp slice."""
+    W: gl.constexpr = gl.num_warps()
+    PL: gl.constexpr = gl.BlockedLayout([1, TIES // 32], [1, 32], [W, 1], [1, 0])
+    j = gl.arange(0, TIES, layout=gl.SliceLayout(0, PL))
+    d = gl.load(tie_keys + j, mask=j < in_bin, other=0).to(gl.uint32, bitcast=True)
+    p = gl.load(tie_pos + j, mask=j < in_bin, other=0)
+    taken = (j < in_bin) & ((d > cut_d) | ((d == cut_d) & (p <= cut_p)))
+    warp_of = (p + start - first) // chunk
+    w = gl.arange(0, W, layout=gl.SliceLayout(1, PL))
+    per = gl.sum(((warp_of[None, :] == w[:, None]) & taken[None, :]).to(gl.int32), axis=1)
+    return gl.convert_layout(per, gl.SliceLayout(1, FL))
+
+
+@gluon.jit
+def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, counts_ptr, tie_keys_ptr,
+                   tie_pos_ptr, row_stride, width, stride_tie, K: gl.constexpr, V: gl.constexpr, BINS: gl.constexpr,
+                   TIES: gl.constexpr, HAS_STARTS: gl.constexpr):
+    """Step 3 for a row the ballot select leaves because some warp's slice kept more candidates
+    than its segment loads (a skewed row: its largest logits bunched in a few slices); returns
+    1 if it selected the row, else 0 (nothing written to the output).
+
+    The histogram and the counts are complete whatever the segments held, so the chosen bin
+    is known; each warp then scans its slice twice more (from L2): once counting its takes
+    (the chosen bin's candidates, when only some are taken, compacted into the tie scratch
+    and cut as in the ballot select), once writing them, in position order, after the takes
+    of the warps before it. It refuses the rows the ballot select's rule refuses for other
+    reasons (fewer than k candidates, a chosen bin of more than TIES to cut) and any row
+    whose takes do not add up to k."""
+    W: gl.constexpr = gl.num_warps()
+    TILE: gl.constexpr = 32 * V
+    FL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+    # Everything about the row again, recomputed or reloaded from what the earlier steps stored:
+    # kept live through the filter and the ballot select, some of it would spill.
+    row = gl.program_id(0)
+    start, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
+    row_ptr = logits_ptr + row.to(gl.int64) * (row_stride // 4 * 4)
+    first, chunk, lo, hi, limit = _warp_slices(start, n, TILE, FL)
+    tiles = chunk // TILE
+    count = gl.load(counts_ptr + row * W + gl.arange(0, W, layout=gl.SliceLayout(1, FL)))
+    cut = gl.load(cut_ptr + row).to(gl.uint32, bitcast=True)
+    shift = gl.load(shift_ptr + row)
+    hist_row = hist_ptr + row.to(gl.int64) * BINS
+    tie_keys = tie_keys_ptr + row.to(gl.int64) * stride_tie
+    tie_pos = tie_pos_ptr + row.to(gl.int64) * stride_tie
+    out_row = out_ptr + row.to(gl.int64) * K
+    want = gl.minimum(n, K)
+    chosen, left, in_bin = _candidate_bin_cut(hist_row, want, BINS, W)
+    whole = left == in_bin
+    taken = n * 0
+    if (gl.sum(count, axis=0) >= want) & (whole | (in_bin <= TIES)):
+        cut_f = _key_to_float(cut)
+        col0 = lo[:, None] + gl.arange(0, TILE, layout=gl.SliceLayout(0, FL))[None, :]
+        hi_b = hi[:, None]
+        counter = tie_keys + TIES + gl.zeros([W, TILE], gl.int32, FL)  # the scratch slot after the ties
+        gl.store(tie_keys + TIES, 0)
+        gl.thread_barrier()  # the zeroed counter before any warp takes a slot
+        above = gl.zeros_like(count)
+        in_chosen = gl.zeros_like(count)
+        col = col0
+        for _ in range(tiles):
+            x = gl.load(row_ptr + col, mask=col < limit, other=0.0)
+            dist, bin_, kept = _tile_bins(x, col, start, hi_b, cut_f, cut, shift, BINS)
+            tie = kept & (bin_ == chosen)
+            above += gl.sum((kept & (bin_ > chosen)).to(gl.int32), axis=1)
+            in_chosen += gl.sum(tie.to(gl.int32), axis=1)
+            tie = tie & (left != in_bin)
+            slot = gl.atomic_add(counter, tie.to(gl.int32), mask=tie, sem="relaxed")
+            gl.store(tie_keys + slot, dist.to(gl.int32, bitcast=True), mask=tie)
+            gl.store(tie_pos + slot, col - start, mask=tie)
+            col += TILE
+        cut_d = cut * 0                 # whole: every candidate of the chosen bin is taken
+        cut_p = n * 0 + 0x7FFFFFFF
+        takes = above + in_chosen
+        if left != in_bin:
+            gl.thread_barrier()  # the chosen bin's candidates in the scratch
+            cut_d, cut_p = _tie_cut(tie_keys, tie_pos, in_bin, left, TIES, W)
+            takes = above + _tie_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, chunk, TIES, FL)
+        if gl.sum(takes, axis=0) == want:
+            WL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])  # all W counts in each thread: a scan in registers
+            every = gl.convert_layout(takes, WL)
+            running = gl.convert_layout(gl.associative_scan(every, 0, _add) - every, takes.type.layout)
+            col = col0
+            for _ in range(tiles):
+                x = gl.load(row_ptr + col, mask=col < limit, other=0.0)
+                dist, bin_, kept = _tile_bins(x, col, start, hi_b, cut_f, cut, shift, BINS)
+                pos = col - start
+                take = kept & ((bin_ > chosen) | ((bin_ == chosen) & ((dist > cut_d) | ((dist == cut_d) &
+                                                                                         (pos <= cut_p)))))
+                t = take.to(gl.int32)
+                gl.store(out_row + running[:, None] + gl.associative_scan(t, 1, _add) - t, pos, mask=take)
+                running += gl.sum(t, axis=1)
+                col += TILE
+            taken = n * 0 + 1
+    return taken
+
+
+@gluon.jit
 def topk_row_kernel(
     logits_ptr,       # [R, row_stride] fp32, rows 16-byte aligned
     lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
@@ -155,13 +280,8 @@ def topk_row_kernel(
     if _long_row(n, K, SAMPLES):
         row_ptr = logits_ptr + row.to(gl.int64) * (row_stride // 4 * 4)
         # The filter's slices (filter.filter_slice): whole tiles, tile-aligned, W of them.
-        end = start + n
-        first = gl.multiple_of((start // TILE) * TILE, TILE)
-        chunk = gl.multiple_of(gl.cdiv(gl.cdiv(end - first, W), TILE) * TILE, TILE)
+        first, chunk, lo, hi, limit = _warp_slices(start, n, TILE, FL)
         warp = gl.arange(0, W, layout=gl.SliceLayout(1, FL))
-        lo = first + warp * chunk
-        hi = gl.minimum(lo + chunk, end)
-        limit = (gl.cdiv(hi, 4) * 4)[:, None]
         col = lo[:, None] + gl.arange(0, TILE, layout=gl.SliceLayout(0, FL))[None, :]
         x = gl.load(row_ptr + col, mask=col < limit, other=0.0)  # in flight while the cut-off is found
 
@@ -182,4 +302,8 @@ def topk_row_kernel(
                              tie_keys_ptr + row.to(gl.int64) * stride_tie, tie_pos_ptr + row.to(gl.int64) * stride_tie,
                              out_ptr + row.to(gl.int64) * K, K, W, SEG, LOAD, CAP, BINS, TIES)
         taken = fast.to(gl.int32)
+        if taken == 0:  # a skewed row: its takes found by scanning the slices again
+            taken = _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, counts_ptr,
+                                   tie_keys_ptr, tie_pos_ptr, row_stride, width, stride_tie, K, V, BINS, TIES,
+                                   HAS_STARTS)
     gl.store(done_ptr + row, taken)
