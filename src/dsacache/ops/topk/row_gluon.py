@@ -31,8 +31,8 @@ from triton.experimental.gluon import language as gl
 
 from dsacache.ops.topk.cutoff import bit_length, float_cut
 from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
-from dsacache.ops.topk.select_gluon import _add, _candidate_bin_cut, _gdc_launch_dependents, _histogram_cut, \
-    _long_row, _row_window, _tie_cut, ballot_select
+from dsacache.ops.topk.select_gluon import _add, _candidate_bin, _candidate_bin_cut, _gdc_launch_dependents, \
+    _histogram_cut, _long_row, _row_window, _taken, _tie_cut, _tie_cut_keeps, ballot_select
 
 
 # The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
@@ -145,7 +145,7 @@ def _tile_bins(x, col, start, hi, cut_f, cut, shift, BINS: gl.constexpr):
     logit, kept as the filter keeps it (in the row's window, ``x >= float(cut)``)."""
     kept = (x >= cut_f) & (col >= start) & (col < hi)
     dist = _sortable_key_not_nan(x) - cut
-    return dist, gl.minimum(dist >> shift, BINS - 1).to(gl.int32), kept
+    return dist, _candidate_bin(dist, shift, BINS), kept
 
 
 @gluon.jit
@@ -158,7 +158,7 @@ def _tie_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, ch
     j = gl.arange(0, TIES, layout=gl.SliceLayout(0, PL))
     d = gl.load(tie_keys + j, mask=j < in_bin, other=0).to(gl.uint32, bitcast=True)
     p = gl.load(tie_pos + j, mask=j < in_bin, other=0)
-    taken = (j < in_bin) & ((d > cut_d) | ((d == cut_d) & (p <= cut_p)))
+    taken = (j < in_bin) & _tie_cut_keeps(d, p, cut_d, cut_p)
     warp_of = (p + start - first) // chunk
     w = gl.arange(0, W, layout=gl.SliceLayout(1, PL))
     per = gl.sum(((warp_of[None, :] == w[:, None]) & taken[None, :]).to(gl.int32), axis=1)
@@ -238,8 +238,7 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
                 x = gl.load(row_ptr + col, mask=col < limit, other=0.0)
                 dist, bin_, kept = _tile_bins(x, col, start, hi_b, cut_f, cut, shift, BINS)
                 pos = col - start
-                take = kept & ((bin_ > chosen) | ((bin_ == chosen) & ((dist > cut_d) | ((dist == cut_d) &
-                                                                                         (pos <= cut_p)))))
+                take = kept & _taken(bin_, dist, pos, chosen, cut_d, cut_p)
                 t = take.to(gl.int32)
                 gl.store(out_row + running[:, None] + gl.associative_scan(t, 1, _add) - t, pos, mask=take)
                 running += gl.sum(t, axis=1)

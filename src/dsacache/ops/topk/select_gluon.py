@@ -76,6 +76,26 @@ def _histogram_cut(hist, want, HL: gl.constexpr):
 
 
 @gluon.jit
+def _candidate_bin(dist, shift, BINS: gl.constexpr):
+    """A candidate's histogram bin from its distance above the cut-off (the last bin open), as
+    the filter counts it."""
+    return gl.minimum(dist >> shift, BINS - 1).to(gl.int32)
+
+
+@gluon.jit
+def _tie_cut_keeps(dist, pos, cut_d, cut_p):
+    """Whether a candidate of the chosen bin ranks at or above the tie cut (cut_d, cut_p) in the
+    order distance (largest first) then position (lowest first)."""
+    return (dist > cut_d) | ((dist == cut_d) & (pos <= cut_p))
+
+
+@gluon.jit
+def _taken(bin_, dist, pos, chosen, cut_d, cut_p):
+    """Whether a candidate is among the top: above the chosen bin, or in it and kept by the tie cut."""
+    return (bin_ > chosen) | ((bin_ == chosen) & _tie_cut_keeps(dist, pos, cut_d, cut_p))
+
+
+@gluon.jit
 def _candidate_bin_cut(hist_row, want, BINS: gl.constexpr, W: gl.constexpr):
     """``_histogram_cut`` of the row's candidate histogram (``hist_row`` [BINS]) with one CTA
     barrier: warp w sums bins [w BINS / W, (w + 1) BINS / W); every thread takes the W sums to
@@ -148,7 +168,7 @@ def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_po
         valid = slot < count[:, None]
         dist = pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut
         pos = (pair >> 32).to(gl.int32)
-        bin_ = gl.minimum(dist >> shift, BINS - 1).to(gl.int32)
+        bin_ = _candidate_bin(dist, shift, BINS)
         if left == in_bin:
             take = valid & (bin_ >= chosen)
         else:
@@ -159,8 +179,7 @@ def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_po
             gl.store(tie_pos + at, pos, mask=in_chosen)
             gl.thread_barrier()  # the scratch was written by other warps
             cut_d, cut_p = _tie_cut(tie_keys, tie_pos, in_bin, left, TIES, W)
-            take = valid & ((bin_ > chosen) | ((bin_ == chosen) & ((dist > cut_d) | ((dist == cut_d) &
-                                                                                     (pos <= cut_p)))))
+            take = valid & _taken(bin_, dist, pos, chosen, cut_d, cut_p)
         cnt, before = _ballot_counts(take.to(gl.int32))
         at = _exclusive_over_chunks(cnt) + before
         gl.store(out_row + at, pos, mask=take)
