@@ -545,9 +545,10 @@ def test_row_kernel_on_prefill_windows(rows, width):
 @pytest.mark.parametrize("width, with_starts", [(8_192, False), (20_000, True), (32_768, False), (32_768, True)])
 def test_row_kernel_keeps_skewed_rows(width, with_starts):
     """Rows whose largest logits bunch in a few warps' slices (sorted either way, ramps, one hot
-    slice, a ramp with exact ties at the cut-off) overfill those warps' segments; the row kernel
-    selects them by scanning the slices again (``_rescan_select``): every such row is taken by
-    the row kernel alone and equals the reference, and the full launch does too."""
+    slice, a ramp with exact ties at the cut-off) give those warps more candidates than the ballot
+    select loads a segment (at 32K more than a segment holds), so only the rescan
+    (``_rescan_select``) can take them: every such row is taken by the row kernel alone and
+    equals the reference, and the full launch does too."""
     from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
 
     if torch.cuda.get_device_capability()[0] < 9:
