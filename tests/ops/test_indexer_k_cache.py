@@ -223,6 +223,65 @@ def test_fused_store_matches_reference(device, fmt, num_tokens):
             assert rel_rms_error(tri.decode_raw(s), expected) < (0.07 if fmt == "fp8" else 0.2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, fused", [("fp8", False), ("fp8", True), ("mxfp4", True)])
+@pytest.mark.parametrize("num_tokens", [2, 64, 8192])
+def test_back_to_back_stores_keep_their_order(fmt, fused, num_tokens):
+    """On Hopper the stores are launched with programmatic dependent launch: a store starts
+    while the one before it runs. Each must still wait for the last one's writes and its
+    inputs: the same slots stored with new keys, right after a copy that makes those keys,
+    end as the last store made them, and in a CUDA graph too."""
+    from dsacache.ops.triton_utils import dependent_launch
+
+    slots = random_slots(num_tokens, max(2, 2 * num_tokens // PAGE), "cuda")
+    weight = torch.randn(128, device="cuda")
+    bias = torch.randn(128, device="cuda") * 0.1
+    keys = [random_keys(num_tokens, 128, torch.bfloat16, "cuda") for _ in range(3)]
+    pool = PackedPool(fmt, 128, max(2, 2 * num_tokens // PAGE), "cuda")
+    ref = PackedPool(fmt, 128, max(2, 2 * num_tokens // PAGE), "cuda")
+    staged = torch.empty_like(keys[0])
+
+    def store(k, pages, impl="auto"):
+        if fused:
+            fused_norm_store_indexer_keys(k, weight, bias, pages, slots, fmt, impl=impl, check_slots=False)
+        else:
+            store_indexer_keys(k, pages, slots, fmt, impl=impl, check_slots=False)
+
+    def steps():
+        for k in keys:
+            store(k, pool.pages)
+            staged.copy_(k.flip(0))  # the next store's input, written by the kernel just before it
+            store(staged, pool.pages)
+
+    steps()
+    store(keys[-1].flip(0), ref.pages, impl="torch")
+    assert dependent_launch(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    for attempt in ("eager", "graph"):
+        if attempt == "graph":
+            pool.raw.fill_(SENTINEL)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                steps()
+            pool.raw.fill_(SENTINEL)  # capturing ran nothing; the replay alone writes
+            graph.replay()
+        torch.cuda.synchronize()
+        if fmt == "fp8":
+            assert_fp8_close(pool, ref, slots)
+        else:
+            valid = slots[slots >= 0]
+            a, b = torch.cat(pool.entries(valid), dim=1), torch.cat(ref.entries(valid), dim=1)
+            assert float((a != b).float().mean()) < 1e-3, attempt
+        pool.assert_only_slots_written(slots)
+
+
+def test_dependent_launch_only_where_compiled_for_hopper():
+    """PDL (and its ``griddepcontrol`` instructions) only for compiled CUDA on sm_90 or newer:
+    never on the CPU or under the interpreter, where the stores run without it."""
+    from dsacache.ops.triton_utils import dependent_launch
+
+    assert dependent_launch(torch.device("cpu")) is False
+
+
 def test_reference_layer_norm_matches_torch():
     k, w, b = torch.randn(7, 128), torch.randn(128), torch.randn(128)
     out = naive.layer_norm(k, w, b, 1e-6)

@@ -59,6 +59,17 @@ def l2_cache_bytes(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
+@functools.lru_cache(maxsize=None)
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may be launched with programmatic dependent launch (PDL):
+    compiled CUDA, not ROCm or the interpreter, on Hopper (sm_90) or newer. Such a kernel starts
+    while the kernel before it finishes and must run ``griddepcontrol.wait`` before it reads
+    anything that kernel may have written."""
+    if device.type != "cuda" or interpreting() or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def check_launch(condition: bool, what: str) -> None:
     """A launcher's precondition on strides/dtypes: ``ValueError`` naming it (asserts vanish under -O)."""
     if not condition:

@@ -21,7 +21,7 @@ from dsacache.ops.indexer_k_cache.gather import gather_kernel
 from dsacache.ops.indexer_k_cache.store_fp8 import store_fp8_kernel
 from dsacache.ops.indexer_k_cache.store_mxfp4 import store_mxfp4_kernel
 from dsacache.ops.indexer_k_cache.store_mxfp4_loop import norm_store_mxfp4_loop_kernel
-from dsacache.ops.triton_utils import check_launch, sm_count
+from dsacache.ops.triton_utils import check_launch, dependent_launch, sm_count
 
 #: About 2K elements a program: enough bytes in flight per SM, few registers a thread.
 ELEMENTS_PER_PROGRAM = 2048
@@ -135,16 +135,19 @@ def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tenso
     args = (k, weight if norm else k, bias if norm else k, slot_mapping, pages,
             num_tokens, num_slots, k.stride(0), k.stride(1), pages.stride(0), float(eps))
     grid = (triton.cdiv(num_tokens, launch.block_t),)
+    # With PDL a store's launch overlaps the kernel before it (it waits for that kernel's writes
+    # before its first load): a 1-64-token store then costs about one small launch.
+    pdl = {"PDL": True, "launch_pdl": True} if dependent_launch(k.device) else {}
     if launch.kernel == "fp8":
         store_fp8_kernel[grid](
             *args, D=fmt.head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, INTERPRET=interpreting(),
-            BLOCK_T=launch.block_t, BLOCK_D=triton.next_power_of_2(fmt.head_dim), num_warps=launch.num_warps)
+            BLOCK_T=launch.block_t, BLOCK_D=triton.next_power_of_2(fmt.head_dim), num_warps=launch.num_warps, **pdl)
         return
     store_mxfp4_kernel[grid](
         *args, D=fmt.head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, PAIRS=_bf16_pairs(k),
         NORM_PAIRS=_fp32_pairs(weight, bias), INTERPRET=interpreting(), BLOCK_T=launch.block_t,
         BLOCK_G=triton.next_power_of_2(fmt.scale_bytes), EXACT=norm or k.dtype == torch.float32,
-        SLOTS64=num_slots >= SLOTS_32BIT, num_warps=launch.num_warps)
+        SLOTS64=num_slots >= SLOTS_32BIT, num_warps=launch.num_warps, **pdl)
 
 
 def _launch_loop(k, pages, slot_mapping, weight, bias, eps, fmt, launch) -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsacache.dispatch import interpreting
 from dsacache.ops.indexer_k_cache.codecs import ceil_pow2_exponent, e4m3_encode_int, finite_abs, pow2
+
+if not interpreting():  # the PDL instructions exist only compiled
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -17,7 +21,11 @@ def store_fp8_kernel(
     num_tokens, num_slots, stride_kt, stride_kd, page_stride, eps,
     D: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with PDL: the next kernel may start now; wait for the last one's writes
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsacache.dispatch import interpreting
 from dsacache.ops.indexer_k_cache.codecs import (
     bf16_pair_halves,
     clamped_magnitude,
@@ -22,6 +23,9 @@ from dsacache.ops.indexer_k_cache.codecs import (
     row_sum,
 )
 
+if not interpreting():  # the PDL instructions exist only compiled
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def store_mxfp4_kernel(
@@ -33,12 +37,16 @@ def store_mxfp4_kernel(
     D: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr, PAIRS: tl.constexpr, NORM_PAIRS: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, EXACT: tl.constexpr,
     SLOTS64: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with PDL: the next kernel may start now; wait for the last one's writes
 ):
     # Pairs [BLOCK_G, BLOCK_T, 4, 4] (codecs.py): l is one 16-byte vector and the load layout
     # spreads lanes over g, then t, so j is a register repeat: one thread owns whole 32-value
     # groups (no shuffles for the group max), both nibbles of each byte (no split), and the
     # 4 bytes of l pack into one 32-bit word.
     # SLOTS64: a pool of 2**31 slots or more; page and row then take 64-bit math.
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
     offs_g = tl.arange(0, BLOCK_G)
