@@ -23,9 +23,9 @@ Elsewhere the steps are three Triton kernels,
 one-warp programs a row) and ``select_triton.topk_select_kernel``, whose own branches cover a
 missed cut-off and a skewed row.
 
-On CUDA every kernel after the first is launched with programmatic dependent launch: it
-starts while the kernel before it finishes and waits (``griddepcontrol.wait``) before
-reading its outputs.
+On Hopper and newer (``triton_utils.dependent_launch``) every kernel after the first is
+launched with programmatic dependent launch: it starts while the kernel before it finishes
+and waits (``griddepcontrol.wait``) before reading its outputs.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dsacache.ops.topk.cutoff import topk_cutoff_kernel
 from dsacache.ops.topk.filter import FILTER_TILE_V, filter_tile_ptx, filter_tile_regs, topk_filter_kernel
 from dsacache.ops.topk.select_triton import topk_select_kernel
 from dsacache.ops.topk.slots import positions_to_slots_kernel
-from dsacache.ops.triton_utils import INTERPRET, check_launch, l2_cache_bytes, sm_count
+from dsacache.ops.triton_utils import INTERPRET, check_launch, dependent_launch, l2_cache_bytes, sm_count
 
 #: Inline PTX where it exists (compiled CUDA); the interpreter and ROCm take the plain Triton ops.
 PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
@@ -227,7 +227,7 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     shift = torch.empty_like(cut)
     hist = torch.empty(rows, cfg.bins, dtype=torch.int32, device=device)
     stride = logits.stride(0)
-    pdl = {"PDL": True, "launch_pdl": True} if cfg.pdl and PTX_AVAILABLE else {"PDL": False}
+    pdl = {"PDL": True, "launch_pdl": True} if cfg.pdl and dependent_launch(device) else {"PDL": False}
     common = dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=cfg.bins)
     skip = {}
     if plan.first == "row":
