@@ -18,7 +18,7 @@ from dsacache.ops.topk.rows import long_row, row_setup
 from dsacache.ops.triton_utils import INTERPRET
 
 if not INTERPRET:
-    from triton.language.extra.cuda import gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -35,9 +35,10 @@ def topk_cutoff_kernel(
     SAMPLE_BITS: tl.constexpr = 8, PDL: tl.constexpr = False,
 ):
     """One program a row: a cut-off key with, most likely, a little over K of the row's keys
-    at or above it (from SAMPLES keys in evenly spaced runs). With PDL the next kernel is let
-    launch at once (it waits for this one before using its outputs)."""
+    at or above it (from SAMPLES keys in evenly spaced runs). With PDL it waits for the kernel
+    before it, then lets the next kernel launch (which waits for this one before using its outputs)."""
     if PDL:
+        gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0)
     n, row_ptr = row_setup(logits_ptr, lens_ptr, starts_ptr, row, row_stride, width, HAS_STARTS)

@@ -23,9 +23,9 @@ Elsewhere the steps are three Triton kernels,
 one-warp programs a row) and ``select_triton.topk_select_kernel``, whose own branches cover a
 missed cut-off and a skewed row.
 
-On Hopper and newer (``triton_utils.dependent_launch``) every kernel after the first is
+On Hopper and newer (``triton_utils.dependent_launch``) every kernel, the first too, is
 launched with programmatic dependent launch: it starts while the kernel before it finishes
-and waits (``griddepcontrol.wait``) before reading its outputs.
+and waits (``griddepcontrol.wait``) before reading anything.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
                                  SAMPLES=cfg.samples, SAMPLE_RUN=cfg.sample_run, SAMPLE_BITS=cfg.sample_bits,
                                  SEG=cap // progs, LOAD=plan.load, CAP=cap, BINS=cfg.bins, TIES=cfg.ties, V=vec,
                                  TILE_PTX=filter_tile_ptx(vec), TILE_REGS=filter_tile_regs(vec), AHEAD=plan.ahead,
-                                 HAS_STARTS=window["HAS_STARTS"], PDL=pdl["PDL"], num_warps=progs,
+                                 HAS_STARTS=window["HAS_STARTS"], num_warps=progs, **pdl,
                                  **({"maxnreg": cfg.row_maxnreg} if cfg.row_maxnreg else {}))
         skip = {"done_ptr": done, "SKIP_DONE": True}
     else:
@@ -271,7 +271,7 @@ def _launch_cutoff_and_filter(cfg: TopkConfig, plan: _Plan, logits: torch.Tensor
     stride = logits.stride(0)
     topk_cutoff_kernel[(rows,)](logits, lens, starts, cut, shift, hist, stride, **window, K=k, SAMPLES=cfg.samples,
                                 SAMPLE_RUN=cfg.sample_run, BINS=cfg.bins, SAMPLE_BITS=cfg.sample_bits,
-                                PDL=pdl["PDL"], num_warps=cfg.cutoff_warps)
+                                num_warps=cfg.cutoff_warps, **pdl)
     tile = {"TILE_ASM": False}
     if PTX_AVAILABLE and vec in FILTER_TILE_V:
         tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec), "TILE_REGS": filter_tile_regs(vec)}

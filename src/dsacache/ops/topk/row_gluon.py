@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from dsacache.ops.topk.cutoff import bit_length, float_cut
 from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
 from dsacache.ops.topk.select_gluon import _add, _candidate_bin, _candidate_bin_cut, _gdc_launch_dependents, \
-    _histogram_cut, _long_row, _row_window, _taken, _tie_cut, _tie_cut_keeps, ballot_select
+    _gdc_wait, _histogram_cut, _long_row, _row_window, _taken, _tie_cut, _tie_cut_keeps, ballot_select
 
 
 # The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
@@ -272,7 +272,8 @@ def topk_row_kernel(
     FL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])  # tile PTX: runs of 4, a warp a slice
     HL: gl.constexpr = gl.BlockedLayout([BINS // (32 * W)], [32], [W], [0])
     row = gl.program_id(0)
-    if PDL:
+    if PDL:  # launched with PDL: nothing is read before the kernel before this one has finished
+        _gdc_wait()
         _gdc_launch_dependents()  # the Triton select (rows left to it) waits for this grid anyway
     start, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
     taken = n * 0
