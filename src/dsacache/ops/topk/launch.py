@@ -80,7 +80,7 @@ class TopkConfig:
     load: int | None = None
     #: largest chosen bin ranked pairwise (ties^2 compares; a larger bin takes radix passes)
     ties: int = 32
-    #: programmatic dependent launch of the filter and the selects (CUDA): hides the gaps between launches
+    #: programmatic dependent launch of every top-k kernel (Hopper and newer): hides the gaps between launches
     pdl: bool = True
     #: "gluon": on Hopper, the row kernel (``row_gluon``) or, for wider logits, the Gluon ballot
     #: select after the Triton filter, where they apply; "triton": the three Triton kernels only
