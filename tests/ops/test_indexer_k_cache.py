@@ -233,12 +233,12 @@ def test_back_to_back_stores_keep_their_order(fmt, fused, num_tokens):
     end as the last store made them, and in a CUDA graph too."""
     from dsacache.ops.triton_utils import dependent_launch
 
-    slots = random_slots(num_tokens, max(2, 2 * num_tokens // PAGE), "cuda")
+    num_pages = max(2, 2 * num_tokens // PAGE)
+    slots = random_slots(num_tokens, num_pages, "cuda")
     weight = torch.randn(128, device="cuda")
     bias = torch.randn(128, device="cuda") * 0.1
     keys = [random_keys(num_tokens, 128, torch.bfloat16, "cuda") for _ in range(3)]
-    pool = PackedPool(fmt, 128, max(2, 2 * num_tokens // PAGE), "cuda")
-    ref = PackedPool(fmt, 128, max(2, 2 * num_tokens // PAGE), "cuda")
+    pool, ref = PackedPool(fmt, 128, num_pages, "cuda"), PackedPool(fmt, 128, num_pages, "cuda")
     staged = torch.empty_like(keys[0])
 
     def store(k, pages, impl="auto"):
