@@ -499,7 +499,7 @@ def test_mxfp4_gluon_decode_needs_the_pool_page_layout():
 def test_fp8_gluon_decode_matches_reference(heads, next_n, per_row):
     """The Gluon FP8 decode (TMA-fed pages), forced at every next_n: the reference and the Triton
     kernel, -1 and out-of-range pages (also one far past the pool), ragged per-row lengths,
-    lengths 1, 64, 65 and a partial last program; by default it runs from next_n = 2 on."""
+    lengths 1, 64, 65 and a partial last program; by default it runs at every next_n."""
     from dsacache.ops.indexer_logits.launch import decode_kernel, launch_paged_decode
 
     require_hopper("FP8")
@@ -507,7 +507,7 @@ def test_fp8_gluon_decode_matches_reference(heads, next_n, per_row):
     values, scales = views("fp8", pages)
     gluon = {"kernel": "gluon"}
     assert decode_kernel(q, values, scales, FP8, gluon) == "gluon"
-    assert decode_kernel(q, values, scales, FP8) == ("gluon" if next_n > 1 else "triton")
+    assert decode_kernel(q, values, scales, FP8) == "gluon"
     before = pool.clone()
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "fp8")
     # The launcher's pages a program on this small grid (4 for Gluon, 2 for Triton), and the full
@@ -534,6 +534,76 @@ def test_pages_per_program():
     assert pages_per_program(8, 1, 9000, 132, 8, 2) == 2
     assert pages_per_program(32, 1, 9000, None, 2, 4) == 32
     assert pages_per_program(32, 1, 9000, 132, 0, 4) == 32
+
+
+def test_fp8_gluon_settings_by_product_columns():
+    """Pages a program, ring and the one-wave rule of the FP8 Gluon decode follow the product's
+    columns (next_n rounded up, times H); the overrides replace pages and ring only."""
+    from dsacache.ops.indexer_logits.launch import DECODE_CONFIG, fp8_gluon_settings
+
+    assert fp8_gluon_settings(DECODE_CONFIG, 32) == (16, 2, False)     # next_n 1, H = 32
+    assert fp8_gluon_settings(DECODE_CONFIG, 64) == (16, 2, False)     # next_n 1 at H = 64, next_n 2 at 32
+    assert fp8_gluon_settings(DECODE_CONFIG, 128) == (16, 3, True)     # next_n 2 at H = 64, 3-4 at 32
+    assert fp8_gluon_settings(DECODE_CONFIG, 256) == (32, 4, False)
+    assert fp8_gluon_settings({**DECODE_CONFIG, "fp8_gluon_tiles": 8, "fp8_gluon_stages": 5}, 128) == (8, 5, True)
+
+
+def test_one_wave_tiles():
+    """More pages a program only where that fits the grid in one wave of resident programs."""
+    from dsacache.ops.indexer_logits.launch import one_wave_tiles
+
+    assert one_wave_tiles(16, 64, 32768, 660, 64) == 64      # 2048 / 1024 programs are over 660; 512 fit
+    assert one_wave_tiles(16, 128, 8192, 660, 64) == 32      # 1024 are over, 512 fit
+    assert one_wave_tiles(16, 64, 131072, 660, 64) == 16     # 2048 programs even at 64 pages: keep 16
+    assert one_wave_tiles(16, 64, 32768, 2048, 64) == 16     # already one wave
+    assert one_wave_tiles(16, 64, 32768, 511, 64) == 16      # 512 at 64 pages is one too many
+    assert one_wave_tiles(16, 64, 32768, None, 64) == 16     # residency unknown
+
+
+def test_programs_per_sm():
+    """Resident programs an SM from registers (256 a warp at a time), shared memory (plus the 1 KB
+    the driver keeps a program) and threads; H200 limits: 65,536 registers, 228 KB, 2,048 threads."""
+    from dsacache.ops.triton_utils import programs_per_sm
+
+    h200 = (65536, 233472, 2048)
+    assert programs_per_sm(43, 21144, 4, *h200) == 10   # registers: 48 x 32 x 4 = 6,144 a program
+    assert programs_per_sm(59, 33944, 4, *h200) == 6    # shared memory: 34,968 a program
+    assert programs_per_sm(96, 43296, 4, *h200) == 5    # registers and shared memory alike
+    assert programs_per_sm(32, 0, 4, *h200) == 16       # threads
+    assert programs_per_sm(255, 0, 16, *h200) == 0      # does not fit at all
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,next_n", [(32, 1), (64, 2), (64, 4)])
+def test_resident_programs_agree_with_the_driver(heads, next_n):
+    """``resident_programs`` of the compiled FP8 Gluon decode equals the CUDA driver's occupancy
+    (cuOccupancyMaxActiveBlocksPerMultiprocessor) times the SMs."""
+    import ctypes
+
+    from triton.experimental.gluon.language import NVMMASharedLayout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from dsacache.ops.indexer_logits.decode_gluon import paged_decode_fp8_kernel
+    from dsacache.ops.triton_utils import resident_programs
+
+    require_hopper("FP8")
+    pool, pages, q, w, table, lens, max_model_len = gluon_decode_case("fp8", next_n, heads, False)
+    values, scales = views("fp8", pages)
+    out = torch.empty(q.shape[0] * next_n, max_model_len, device="cuda")
+    k_desc = TensorDescriptor(values, list(values.shape), list(values.stride()), [1, 64, 128],
+                              NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
+    rows = 1 << (next_n - 1).bit_length()
+    compiled = paged_decode_fp8_kernel.warmup(
+        q, w, lens, k_desc, scales, table, out, values.shape[0], table.shape[1], table.stride(0), scales.stride(0),
+        max_model_len, out.stride(0), grid=(1, 1), NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=False, TILES=16,
+        STAGES=3, num_warps=4)
+    resident = resident_programs(compiled, q.device)
+    blocks = ctypes.c_int(0)
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    status = libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(compiled.function), 128, ctypes.c_size_t(compiled.metadata.shared))
+    assert status == 0
+    assert resident == blocks.value * torch.cuda.get_device_properties(q.device).multi_processor_count
 
 
 def test_fp8_gluon_decode_compiles_for_hopper():

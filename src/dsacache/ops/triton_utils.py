@@ -70,6 +70,34 @@ def dependent_launch(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+#: Shared memory the driver keeps back for each resident program (CTA) on sm_80 and newer.
+RESERVED_SHARED_PER_PROGRAM = 1024
+
+
+def programs_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int, shared_per_sm: int,
+                    threads_per_sm: int) -> int:
+    """Programs of a kernel (``n_regs`` registers a thread, ``shared`` bytes of shared memory,
+    ``num_warps`` warps) that an SM holds at once: the least of what its registers (allocated
+    256 a warp at a time), its shared memory and its threads allow."""
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = regs_per_sm // max(regs_per_warp * num_warps, 1)
+    by_shared = shared_per_sm // (shared + RESERVED_SHARED_PER_PROGRAM)
+    return min(by_regs, by_shared, threads_per_sm // (32 * num_warps))
+
+
+def resident_programs(compiled, device: torch.device) -> int | None:
+    """Programs of a compiled kernel (``JITFunction.warmup``'s result) that the whole GPU holds
+    at once, for launchers that size a grid to one wave; None where the device does not say."""
+    props = torch.cuda.get_device_properties(device)
+    limits = [getattr(props, name, None) for name in
+              ("regs_per_multiprocessor", "shared_memory_per_multiprocessor", "max_threads_per_multi_processor")]
+    if None in limits:
+        return None
+    compiled._init_handles()  # loads the binary: the register count is known from here
+    per_sm = programs_per_sm(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps, *limits)
+    return per_sm * props.multi_processor_count
+
+
 def check_launch(condition: bool, what: str) -> None:
     """A launcher's precondition on strides/dtypes: ``ValueError`` naming it (asserts vanish under -O)."""
     if not condition:

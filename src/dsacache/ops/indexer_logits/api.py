@@ -3,7 +3,7 @@
 Each function validates its input, then runs the Triton kernel when the tensors are on
 CUDA (or when ``impl="triton"`` is forced, which under ``TRITON_INTERPRET=1`` also runs
 on CPU tensors) and the PyTorch reference in ``naive.py`` otherwise. On Hopper the paged
-decode runs Gluon kernels where they apply (MXFP4 keys, and FP8 keys with 2-4 query rows;
+decode runs Gluon kernels where they apply (FP8 and MXFP4 keys, 1-4 query rows;
 ``launch.py`` picks the kernel and its settings, ``launch.decode_kernel`` says which one a
 call takes).
 
@@ -103,8 +103,8 @@ def paged_decode_logits(
     ``logit[b * next_n + i, j] = sum_h weights[b * next_n + i, h] * relu(q[b, i, h] . key[b, j])``,
     fp32 accumulation, where ``key[b, j]`` is token ``j`` of request ``b`` (page
     ``block_table[b, j // 64]``, row ``j % 64``) with its scale applied (``docs/layout.md``,
-    "indexer page", for the bytes). The Gluon decodes on Hopper (MXFP4 keys; FP8 keys with
-    2-4 query rows) sum the heads with a second tensor-core product: each ``relu(q . key)``
+    "indexer page", for the bytes). The Gluon decodes on Hopper (FP8 and MXFP4 keys, any
+    next_n) sum the heads with a second tensor-core product: each ``relu(q . key)``
     is rounded to bf16 first (at most 2**-9 relative a term; the weights keep ~16 bits and
     the sum is fp32), calc-diff ~1e-7 against the reference. The Triton kernels and
     ``impl="torch"`` keep fp32 throughout.

@@ -1,8 +1,8 @@
 """Which kernel computes the indexer logits, and with which launch settings.
 
-Paged decode: on Hopper the Gluon kernels (``decode_gluon``) where they apply, MXFP4 keys at
-every next_n and FP8 keys with 2-4 query rows; elsewhere (other GPUs, other shapes, the CPU
-interpreter) the Triton kernel (``decode_triton``). Ragged prefill: the Triton kernel
+Paged decode: on Hopper the Gluon kernels (``decode_gluon``) where they apply, FP8 and MXFP4
+keys at every next_n; elsewhere (other GPUs, other shapes, the CPU interpreter) the Triton
+kernel (``decode_triton``). Ragged prefill: the Triton kernel
 (``prefill_triton``). :func:`decode_kernel` says which one a call takes. ``config`` on the
 launchers overrides the settings below for one call (tests and ``dsacache.bench logits
 --sweep``); the settings were tuned on an H200 (``docs/benchmarks.md``).
@@ -18,7 +18,7 @@ from dsacache.formats.sizes import KERNEL_PAGE_SIZE
 from dsacache.ops.indexer_logits.decode_triton import paged_decode_kernel
 from dsacache.ops.indexer_logits.mxfp4_e4m3 import PTX_AVAILABLE
 from dsacache.ops.indexer_logits.prefill_triton import ragged_prefill_kernel
-from dsacache.ops.triton_utils import check_launch, sm_count
+from dsacache.ops.triton_utils import check_launch, resident_programs, sm_count
 
 #: Paged decode settings (a tile is one 64-token page).
 DECODE_CONFIG = {
@@ -32,13 +32,19 @@ DECODE_CONFIG = {
     "maxnreg_rows": 96,    # the cap with several rows: 64 spills there
     "maxnreg_cols": 64,    # caps apply up to this many product columns (next_n rounded up, times H); wider got slower
     "split_rows": {2: 64},  # next_n -> fewest heads at which a product a row (fewer accumulators) was faster
-    "kernel": {2: "gluon", 3: "gluon", 4: "gluon"},  # FP8 keys, next_n -> kernel; at 1 row Triton is as fast
-    "fp8_gluon_tiles": 32,  # pages a program of the FP8 Gluon kernel: faster than 16 in the H200 probe (halved
-                            # on short grids)
+    "kernel": {1: "gluon", 2: "gluon", 3: "gluon", 4: "gluon"},  # FP8 keys, next_n -> kernel (Triton off Hopper)
+    # FP8 Gluon kernel, by product columns (next_n rounded up to a power of two, times H): (at most
+    # this many columns, pages a program, pages in its TMA ring, one wave). Up to 64 columns a
+    # 2-page ring leaves room for 8-10 programs an SM and 16 pages a program were the fastest at
+    # every measured shape; at 128 columns the registers allow 5 programs an SM, and a grid of 2-3
+    # waves of 16-page programs lost 5-20 % against one wave of longer programs ("one wave":
+    # ``one_wave_tiles``); 256 columns as measured before (docs/benchmarks.md, "Paged decode logits").
+    "fp8_gluon_shapes": ((64, 16, 2, False), (128, 16, 3, True), (256, 32, 4, False)),
+    "fp8_gluon_tiles": None,   # overrides the pages a program of fp8_gluon_shapes (sweeps, tests)
+    "fp8_gluon_stages": None,  # overrides the ring of fp8_gluon_shapes
     "gluon_min_programs_per_sm": 2,  # both Gluon decodes: fewer pages a program (down to 4) until the grid has this
                                      # many programs an SM (B = 32 at 8K: 128 programs of 32 pages took 1.5x the
                                      # time of 512 of 8)
-    "fp8_gluon_stages": 4,  # pages in flight in its TMA ring: covers the load latency (6 was no gain)
 }
 #: What MXFP4 keys change in DECODE_CONFIG (tuned on their own).
 MXFP4_DECODE_CONFIG: dict = {
@@ -204,10 +210,33 @@ def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_t
     )
 
 
+def fp8_gluon_settings(cfg: dict, columns: int) -> tuple[int, int, bool]:
+    """(pages a program, pages in the TMA ring, one wave) of the FP8 Gluon decode for a product of
+    ``columns`` columns: the first entry of ``cfg["fp8_gluon_shapes"]`` that takes that many
+    (the last one for any wider), pages and ring overridden by ``fp8_gluon_tiles`` / ``_stages``."""
+    for most, tiles, stages, one_wave in cfg["fp8_gluon_shapes"]:
+        if columns <= most:
+            break
+    return cfg["fp8_gluon_tiles"] or tiles, cfg["fp8_gluon_stages"] or stages, one_wave
+
+
+def one_wave_tiles(tiles: int, batch: int, max_model_len: int, resident: int | None, most: int) -> int:
+    """Pages a program: the fewest of ``tiles``, ``2 tiles``, ... up to ``most`` whose grid (a
+    program per request and run of pages) fits in one wave of ``resident`` programs, else
+    ``tiles``. A grid of a few waves waits on its last, part-filled one; many short programs or
+    one wave do not."""
+    t = tiles
+    while resident is not None and t <= most:
+        if batch * triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * t) <= resident:
+            return t
+        t *= 2
+    return tiles
+
+
 def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_table, out, cfg) -> None:
     """``decode_gluon.paged_decode_fp8_kernel``: key pages by TMA (a descriptor over the pool's
-    pages), ``fp8_gluon_tiles`` pages a program (fewer on a short grid), a ring of
-    ``fp8_gluon_stages`` pages."""
+    pages), pages a program and ring from ``fp8_gluon_settings`` (fewer pages on a short grid;
+    where the settings say, more if that makes the grid one wave)."""
     from triton.experimental.gluon.language import NVMMASharedLayout
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -215,15 +244,29 @@ def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_tab
 
     batch, next_n, num_heads, head_dim = q.shape
     max_model_len = out.shape[1]
-    tiles, runs = _page_runs(q, max_model_len, cfg["fp8_gluon_tiles"], cfg["gluon_min_programs_per_sm"], 4)
+    rows = triton.next_power_of_2(next_n)
+    tiles, stages, one_wave = fp8_gluon_settings(cfg, rows * num_heads)
+    tiles, runs = _page_runs(q, max_model_len, tiles, cfg["gluon_min_programs_per_sm"], 4)
     k_desc = TensorDescriptor(values, list(values.shape), list(values.stride()), [1, KERNEL_PAGE_SIZE, head_dim],
                               NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
-    paged_decode_fp8_kernel[(runs, batch)](
-        q, weights, context_lens, k_desc, scales, block_table, out,
-        values.shape[0], block_table.shape[1], block_table.stride(0), scales.stride(0), max_model_len, out.stride(0),
-        NEXT_N=next_n, ROWS=triton.next_power_of_2(next_n), H=num_heads, PER_ROW=context_lens.dim() == 2,
-        TILES=tiles, STAGES=cfg["fp8_gluon_stages"], num_warps=4,
-    )
+    args = (q, weights, context_lens, k_desc, scales, block_table, out, values.shape[0], block_table.shape[1],
+            block_table.stride(0), scales.stride(0), max_model_len, out.stride(0))
+    consts = dict(NEXT_N=next_n, ROWS=rows, H=num_heads, PER_ROW=context_lens.dim() == 2, STAGES=stages, num_warps=4)
+    if one_wave:
+        # Programs resident at once, from the kernel compiled with these settings (the pages a
+        # program change only its block-table buffer, a few hundred bytes of shared memory), once
+        # a device and setting.
+        key = (q.device, tiles, *consts.values())
+        if key not in _FP8_GLUON_RESIDENT:
+            compiled = paged_decode_fp8_kernel.warmup(*args, grid=(runs, batch), TILES=tiles, **consts)
+            _FP8_GLUON_RESIDENT[key] = resident_programs(compiled, q.device)
+        tiles = one_wave_tiles(tiles, batch, max_model_len, _FP8_GLUON_RESIDENT[key], 64)
+        runs = triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles)
+    paged_decode_fp8_kernel[(runs, batch)](*args, TILES=tiles, **consts)
+
+
+#: Resident programs of the FP8 Gluon decode by (device, pages a program, settings).
+_FP8_GLUON_RESIDENT: dict[tuple, int | None] = {}
 
 
 def launch_ragged_prefill(
