@@ -35,8 +35,8 @@ DECODE_CONFIG = {
     "kernel": {1: "gluon", 2: "gluon", 3: "gluon", 4: "gluon"},  # FP8 keys, next_n -> kernel (Triton off Hopper)
     # FP8 Gluon kernel, by product columns (next_n rounded up to a power of two, times H): (at most
     # this many columns, pages a program, pages in its TMA ring, one wave). Up to 64 columns a
-    # 2-page ring leaves room for 8-10 programs an SM and 16 pages a program were the fastest at
-    # every measured shape; at 128 columns the registers allow 5 programs an SM, and a grid of 2-3
+    # 2-page ring leaves room for 8-10 programs an SM, and 16 pages a program were the fastest (or
+    # within 0.7 us of it) at every measured shape; at 128 columns the registers allow 5 programs an SM, and a grid of 2-3
     # waves of 16-page programs lost 5-20 % against one wave of longer programs ("one wave":
     # ``one_wave_tiles``); 256 columns as measured before (docs/benchmarks.md, "Paged decode logits").
     "fp8_gluon_shapes": ((64, 16, 2, False), (128, 16, 3, True), (256, 32, 4, False)),
