@@ -113,8 +113,8 @@ def sweep_configs(fmt: str) -> list[dict]:
     if fmt == "fp8":  # the Gluon kernel's pages a program and ring (Hopper), then the Triton kernel's
         rings = [(16, 2), (32, 2), (16, 3), (32, 3), (32, 4), (64, 3)]
         grid = [(8, 2, 64), (16, 2, 64), (8, 3, 64)]
-        return ([{"fp8_gluon_tiles": tiles, "fp8_gluon_stages": stages} for tiles, stages in rings]
-                + [{"kernel": "triton", "TILES": tiles, "num_stages": stages, "maxnreg": cap} for tiles, stages, cap in grid])
+        gluon = [{"fp8_gluon_tiles": tiles, "fp8_gluon_stages": stages} for tiles, stages in rings]
+        return gluon + [{"kernel": "triton", "TILES": t, "num_stages": st, "maxnreg": cap} for t, st, cap in grid]
     grid = [(16, 2, None), (8, 2, None), (32, 2, None), (16, 3, None), (8, 3, None), (16, 2, 64)]
     return [{"TILES": tiles, "num_stages": stages, "maxnreg": cap} for tiles, stages, cap in grid]
 

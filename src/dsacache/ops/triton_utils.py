@@ -95,7 +95,7 @@ def resident_programs(compiled, device: torch.device) -> int | None:
         return None
     compiled._init_handles()  # loads the binary: the register count is known from here
     per_sm = programs_per_sm(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps, *limits)
-    return per_sm * props.multi_processor_count
+    return per_sm * sm_count(device)
 
 
 def check_launch(condition: bool, what: str) -> None:

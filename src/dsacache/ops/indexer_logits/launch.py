@@ -36,9 +36,10 @@ DECODE_CONFIG = {
     # FP8 Gluon kernel, by product columns (next_n rounded up to a power of two, times H): (at most
     # this many columns, pages a program, pages in its TMA ring, one wave). Up to 64 columns a
     # 2-page ring leaves room for 8-10 programs an SM, and 16 pages a program were the fastest (or
-    # within 0.7 us of it) at every measured shape; at 128 columns the registers allow 5 programs an SM, and a grid of 2-3
-    # waves of 16-page programs lost 5-20 % against one wave of longer programs ("one wave":
-    # ``one_wave_tiles``); 256 columns as measured before (docs/benchmarks.md, "Paged decode logits").
+    # within 0.7 us of it) at every measured shape; at 128 columns the registers allow 5 programs
+    # an SM, and a grid of 2-3 waves of 16-page programs lost 5-20 % against one wave of longer
+    # programs ("one wave": ``one_wave_tiles``); 256 columns as measured before
+    # (docs/benchmarks.md, "Paged decode logits").
     "fp8_gluon_shapes": ((64, 16, 2, False), (128, 16, 3, True), (256, 32, 4, False)),
     "fp8_gluon_tiles": None,   # overrides the pages a program of fp8_gluon_shapes (sweeps, tests)
     "fp8_gluon_stages": None,  # overrides the ring of fp8_gluon_shapes
@@ -233,6 +234,10 @@ def one_wave_tiles(tiles: int, batch: int, max_model_len: int, resident: int | N
     return tiles
 
 
+#: Resident programs of the FP8 Gluon decode by (device, pages a program, settings).
+_FP8_GLUON_RESIDENT: dict[tuple, int | None] = {}
+
+
 def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_table, out, cfg) -> None:
     """``decode_gluon.paged_decode_fp8_kernel``: key pages by TMA (a descriptor over the pool's
     pages), pages a program and ring from ``fp8_gluon_settings`` (fewer pages on a short grid;
@@ -264,9 +269,6 @@ def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_tab
         runs = triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles)
     paged_decode_fp8_kernel[(runs, batch)](*args, TILES=tiles, **consts)
 
-
-#: Resident programs of the FP8 Gluon decode by (device, pages a program, settings).
-_FP8_GLUON_RESIDENT: dict[tuple, int | None] = {}
 
 
 def launch_ragged_prefill(
