@@ -270,7 +270,6 @@ def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_tab
     paged_decode_fp8_kernel[(runs, batch)](*args, TILES=tiles, **consts)
 
 
-
 def launch_ragged_prefill(
     q: torch.Tensor,
     weights: torch.Tensor,
