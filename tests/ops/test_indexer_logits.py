@@ -462,7 +462,10 @@ def test_mxfp4_gluon_decode_runs_and_agrees_with_triton(heads, next_n):
     before = pool.clone()
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "mxfp4")
     # The launcher's pages a program on this small grid (4), and the full run (no least grid).
-    for config in ({"kernel": "gluon"}, {"kernel": "gluon", "gluon_min_programs_per_sm": 0}, {"kernel": "triton"}):
+    # next_n 3 also as one product of 4 rows (``gluon_row_split`` empty).
+    unsplit = [{"kernel": "gluon", "gluon_row_split": None}] if next_n == 3 else []
+    for config in ({"kernel": "gluon"}, {"kernel": "gluon", "gluon_min_programs_per_sm": 0}, *unsplit,
+                   {"kernel": "triton"}):
         out = torch.full(ref.shape, float("nan"), device="cuda")
         launch_paged_decode(q, w, lens, values, scales, table, out, MXFP4, config)
         assert_close_to_reference(out, ref, "mxfp4")
@@ -511,8 +514,9 @@ def test_fp8_gluon_decode_matches_reference(heads, next_n, per_row):
     before = pool.clone()
     ref = decode("torch", q, w, lens, pages, table, max_model_len, "fp8")
     # The launcher's pages a program on this small grid (4 for Gluon, 2 for Triton), and the full
-    # runs (no least grid).
-    for config in (gluon, {**gluon, "gluon_min_programs_per_sm": 0}, {"kernel": "triton"},
+    # runs (no least grid); next_n 3 also as one product of 4 rows (``gluon_row_split`` empty).
+    unsplit = [{**gluon, "gluon_row_split": None}] if next_n == 3 else []
+    for config in (gluon, {**gluon, "gluon_min_programs_per_sm": 0}, *unsplit, {"kernel": "triton"},
                    {"kernel": "triton", "triton_min_programs_per_sm": 0}):
         out = torch.full(ref.shape, float("nan"), device="cuda")
         launch_paged_decode(q, w, lens, values, scales, table, out, FP8, config)
@@ -547,6 +551,16 @@ def test_fp8_gluon_settings_by_product_columns():
     assert fp8_gluon_settings(DECODE_CONFIG, 256) == (32, 4, False)
     assert fp8_gluon_settings(DECODE_CONFIG, 512) == (32, 4, False)     # wider than the table: its last entry
     assert fp8_gluon_settings({**DECODE_CONFIG, "fp8_gluon_tiles": 8, "fp8_gluon_stages": 5}, 128) == (8, 5, True)
+
+
+def test_gluon_product_rows():
+    """The Gluon decodes' score products: next_n rounded up to a power of two in one product, next_n 3
+    as 2 + 1 rows unless ``gluon_row_split`` is empty."""
+    from dsacache.ops.indexer_logits.launch import DECODE_CONFIG, gluon_product_rows
+
+    assert [gluon_product_rows(DECODE_CONFIG, n) for n in (1, 2, 3, 4)] == [(1, 0), (2, 0), (2, 1), (4, 0)]
+    unsplit = {**DECODE_CONFIG, "gluon_row_split": None}
+    assert [gluon_product_rows(unsplit, n) for n in (1, 2, 3, 4)] == [(1, 0), (2, 0), (4, 0), (4, 0)]
 
 
 def test_one_wave_tiles():
@@ -618,15 +632,19 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from dsacache.ops.indexer_logits.decode_gluon import paged_decode_fp8_kernel as kernel
 
 desc = "tensordesc<fp8e4nv[1, 64, 128],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)>"
-for heads, next_n, rows in ((64, 2, 2), (32, 3, 4), (128, 2, 2)):
+for heads, next_n, rows, rows2 in ((64, 2, 2, 0), (32, 3, 4, 0), (64, 3, 2, 1), (128, 2, 2, 0)):
     signature = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", lens_ptr="*i32", k_desc=desc, scales_ptr="*fp32",
                      bt_ptr="*i32", out_ptr="*fp32", num_pages="i32", max_blocks="i32", bt_stride="i32",
                      scale_stride="i32", max_model_len="i32", out_stride="i32")
-    constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=True, TILES=32, STAGES=4)
+    constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=True, TILES=32, STAGES=4, ROWS2=rows2)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
-    assert "cp.async.bulk.tensor" in compiled.asm["ptx"] and "wgmma" in compiled.asm["ptx"] and compiled.asm["cubin"]
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and compiled.asm["cubin"]
+    # Score products (K = 32 an instruction, one or two products), then the head sums (m64n8k16).
+    assert ptx.count(f"m64n{rows * heads}k32") == 4 and ptx.count(f"m64n{rows2 * heads}k32") == 4 * (rows2 > 0)
+    assert "m64n8k16" in ptx
 print("built")
 """
     assert "built" in run_compiled_script(script)
@@ -642,11 +660,12 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from dsacache.ops.indexer_logits.decode_gluon import paged_decode_mxfp4_kernel as kernel
 
-for heads, next_n, rows, per_row in ((32, 1, 1, False), (64, 2, 2, True), (32, 3, 4, True), (128, 1, 1, False)):
+for heads, next_n, rows, rows2, per_row in ((32, 1, 1, 0, False), (64, 2, 2, 0, True), (32, 3, 4, 0, True),
+                                           (32, 3, 2, 1, True), (128, 1, 1, 0, False)):
     signature = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", lens_ptr="*i32", pages_ptr="*u8", bt_ptr="*i32",
                      out_ptr="*fp32", num_pages="i32", max_blocks="i32", bt_stride="i32", page_stride="i32",
                      max_model_len="i32", out_stride="i32")
-    constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=per_row, TILES=16)
+    constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=per_row, TILES=16, ROWS2=rows2)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})

@@ -10,6 +10,10 @@ instructions a thread and the quad shuffles of a sum over the accumulator. The b
 moves a head's term by at most 2**-9 relative (calc-diff against the FP32 reference ~1e-7, far
 inside the 1e-3 / 2e-2 tolerances); the Triton kernel keeps FP32 throughout.
 
+A product's rows are a power of two (``ROWS``, a tensor's shape). next_n 3 runs as two products
+of 2 and 1 rows on the same keys (``ROWS2``), 3 H columns instead of 4 H: a quarter less tensor
+work and fewer accumulators. Their head sums go into one accumulator.
+
 MXFP4: the math of the Triton kernel with the table decode (``mxfp4_e4m3``), written with
 explicit layouts so that nothing moves through shared memory but the queries and the head
 weights:
@@ -76,10 +80,12 @@ def _score_mma_layout(n):
 
 
 @gluon.jit
-def _query_operand(q_ptr, b, NEXT_N: gl.constexpr, H: gl.constexpr, N: gl.constexpr, TABLE_ORDER: gl.constexpr):
-    """Request ``b``'s queries [N, 128] e4m3 as the B operand of the score product, in shared memory
-    (row n: query row n // H, head n % H; rows past NEXT_N zero), columns in the key order of the
-    table decode (``table_columns``) when ``TABLE_ORDER`` (MXFP4 keys), in element order otherwise."""
+def _query_operand(q_ptr, b, ROW0: gl.constexpr, NEXT_N: gl.constexpr, H: gl.constexpr, N: gl.constexpr,
+                   TABLE_ORDER: gl.constexpr):
+    """Request ``b``'s queries from query row ``ROW0`` on, [N, 128] e4m3, as the B operand of a
+    score product, in shared memory (row n: query row ROW0 + n // H, head n % H; rows past NEXT_N
+    zero), columns in the key order of the table decode (``table_columns``) when ``TABLE_ORDER``
+    (MXFP4 keys), in element order otherwise."""
     D: gl.constexpr = 128
     QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     QS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -87,20 +93,23 @@ def _query_operand(q_ptr, b, NEXT_N: gl.constexpr, H: gl.constexpr, N: gl.conste
     d = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
     if TABLE_ORDER:
         d = table_columns(d, D // 32)
-    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + (b * NEXT_N * H).to(gl.int64) * D
-    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < NEXT_N * H)[:, None], other=0)
+    q_bytes = q_ptr.to(gl.pointer_type(gl.uint8)) + ((b * NEXT_N + ROW0) * H).to(gl.int64) * D
+    q = gl.load(q_bytes + n[:, None] * D + d[None, :], mask=(n < (NEXT_N - ROW0) * H)[:, None], other=0)
     return gl.allocate_shared_memory(gl.float8e4nv, [N, D], QS, q.to(gl.float8e4nv, bitcast=True))
 
 
 @gluon.jit
-def _head_weight_operand(w_ptr, b, scale, NEXT_N: gl.constexpr, H: gl.constexpr, N: gl.constexpr):
-    """The head weights (times ``scale``) as the B operand [8, N] bf16 of the head-sum product, in
-    shared memory: column 2r holds row r's weights rounded to bf16, column 2r + 1 what that
-    rounding left (so the pair keeps ~16 significant bits), every other entry 0."""
+def _head_weight_operand(w_ptr, b, scale, ROW0: gl.constexpr, NEXT_N: gl.constexpr, H: gl.constexpr,
+                         N: gl.constexpr):
+    """The head weights (times ``scale``) of the score product from query row ``ROW0`` on
+    (``_query_operand``) as the B operand [8, N] bf16 of its head-sum product, in shared memory:
+    column 2r holds row r's weights rounded to bf16, column 2r + 1 what that rounding left (so the
+    pair keeps ~16 significant bits), every other entry 0."""
     WL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     j = gl.arange(0, 8, layout=gl.SliceLayout(1, WL))[:, None]
     n = gl.arange(0, N, layout=gl.SliceLayout(0, WL))[None, :]
-    w = gl.load(w_ptr + b * NEXT_N * H + n + 0 * j, mask=(n < NEXT_N * H) & (j // 2 == n // H), other=0.0) * scale
+    w = gl.load(w_ptr + (b * NEXT_N + ROW0) * H + n + 0 * j,
+                mask=(n < (NEXT_N - ROW0) * H) & (j // 2 == ROW0 + n // H), other=0.0) * scale
     hi = w.to(gl.bfloat16)
     part = gl.where(j % 2 == 0, hi, (w - hi.to(gl.float32)).to(gl.bfloat16))
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, N], gl.bfloat16)
@@ -108,19 +117,54 @@ def _head_weight_operand(w_ptr, b, scale, NEXT_N: gl.constexpr, H: gl.constexpr,
 
 
 @gluon.jit
-def _mma_head_sums(acc, w_smem, MMA: gl.constexpr):
-    """Scores [64 tokens, 4 rows] of a product ``acc`` [64, N] (fp32, columns = rows x heads):
-    ``sum_h relu(acc) * w`` as a second wgmma, relu(acc) rounded to bf16 straight into its A
-    registers (the accumulator layout is the A operand layout) against the head weights
-    (``_head_weight_operand``). Per page and thread that is N / 8 conversions and N / 64 wgmmas
-    instead of N / 2 FP32 instructions and the quad shuffles."""
+def _head_sum_product(acc, w_smem, sums, USE_ACC: gl.constexpr):
+    """``sums (+)= relu(acc) . w`` for a score product ``acc`` [64, N] (fp32, columns = rows x
+    heads) and its head weights (``_head_weight_operand``), issued as a wgmma: relu(acc) rounded
+    to bf16 straight into its A registers (the accumulator layout is the A operand layout). Per
+    page and thread that is N / 8 conversions and N / 64 wgmmas instead of N / 2 FP32
+    instructions and the quad shuffles."""
     S: gl.constexpr = _sum_mma_layout()
     p = gl.inline_asm_elementwise(_RELU_BF16X2_ASM, "=r,r,r", [acc], dtype=gl.bfloat16, is_pure=True, pack=2)
     p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=S, k_width=2), assert_trivial=True)
-    sums = warpgroup_mma(p, w_smem.permute((1, 0)), gl.zeros([64, 8], gl.float32, S), use_acc=False,
-                         is_async=True)
+    return warpgroup_mma(p, w_smem.permute((1, 0)), sums, use_acc=USE_ACC, is_async=True)
+
+
+@gluon.jit
+def _mma_head_sums(acc, w_smem, acc2, w2_smem, TWO: gl.constexpr):
+    """Scores [64 tokens, 4 rows]: the head sums of the score product ``acc`` (``_head_sum_product``)
+    and, when ``TWO``, of the second product ``acc2`` added in the same accumulator (each row's
+    weights sit in its own column pair, so the two products' sums do not overlap)."""
+    sums = _head_sum_product(acc, w_smem, gl.zeros([64, 8], gl.float32, _sum_mma_layout()), False)
+    if TWO:
+        sums = _head_sum_product(acc2, w2_smem, sums, True)
     sums = warpgroup_mma_wait(num_outstanding=0, deps=(sums, ))
     return gl.sum(gl.reshape(sums, [64, 4, 2]), axis=2)
+
+
+@gluon.constexpr_function
+def _second_columns(ROWS2, ROWS, H):
+    """Columns of the second score product (``ROWS2`` query rows; a placeholder the width of the
+    first when there is none, so that the unused operands still have a shape)."""
+    return (ROWS2 if ROWS2 > 0 else ROWS) * H
+
+
+@gluon.jit
+def _products_operands(q_ptr, w_ptr, b, scale, NEXT_N: gl.constexpr, H: gl.constexpr, ROWS: gl.constexpr,
+                       ROWS2: gl.constexpr, TABLE_ORDER: gl.constexpr):
+    """Queries and head weights in shared memory for the score products of a page: query rows
+    [0, ROWS) in the first and, when ``ROWS2`` > 0, rows [ROWS, ROWS + ROWS2) in a second (next_n 3
+    as 2 + 1 rows: 3 H columns of products instead of 4 H). Without a second product its operands
+    are the first's, unused."""
+    N: gl.constexpr = ROWS * H
+    q_smem = _query_operand(q_ptr, b, 0, NEXT_N, H, N, TABLE_ORDER)
+    w_smem = _head_weight_operand(w_ptr, b, scale, 0, NEXT_N, H, N)
+    if ROWS2 > 0:
+        q2_smem = _query_operand(q_ptr, b, ROWS, NEXT_N, H, ROWS2 * H, TABLE_ORDER)
+        w2_smem = _head_weight_operand(w_ptr, b, scale, ROWS, NEXT_N, H, ROWS2 * H)
+    else:
+        q2_smem = q_smem
+        w2_smem = w_smem
+    return q_smem, w_smem, q2_smem, w2_smem
 
 
 @gluon.constexpr_function
@@ -177,18 +221,19 @@ def paged_decode_mxfp4_kernel(
     out_ptr,          # [B * NEXT_N, max_model_len] fp32
     num_pages, max_blocks, bt_stride, page_stride, max_model_len, out_stride,
     NEXT_N: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr, TILES: gl.constexpr,
+    ROWS2: gl.constexpr = 0,  # query rows of a second score product after the ROWS of the first (0: none)
 ):
     PAGE: gl.constexpr = 64
-    N: gl.constexpr = ROWS * H
-    MMA: gl.constexpr = _score_mma_layout(N)
+    MMA: gl.constexpr = _score_mma_layout(ROWS * H)
+    N2: gl.constexpr = _second_columns(ROWS2, ROWS, H)
+    MMA2: gl.constexpr = _score_mma_layout(N2)
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
     ncol, len_col, num_scored = _program_rows(lens_ptr, b, col0, max_model_len, NEXT_N, PER_ROW, TILES)
 
-    q_smem = _query_operand(q_ptr, b, NEXT_N, H, N, True)
     # The 2**-6 of the token factor 2**(top - 133) is folded into the weights.
-    w_smem = _head_weight_operand(w_ptr, b, 0.015625, NEXT_N, H, N)
+    operands = _products_operands(q_ptr, w_ptr, b, 0.015625, NEXT_N, H, ROWS, ROWS2, True)
     entries = _block_entries(bt_ptr + b * bt_stride, col0 // PAGE, num_scored, max_blocks, num_pages, TILES, 2)
     fence_async_shared()
     gl.thread_barrier()
@@ -196,8 +241,8 @@ def paged_decode_mxfp4_kernel(
     tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N)
     offs = _page_offsets()
     pages = (pages_ptr, page_stride)
-    out_args = (gl.zeros([PAGE, N], gl.float32, MMA), q_smem, w_smem, out_rows, row_ok, tok2, len2, col0,
-                max_model_len)
+    zeros = (gl.zeros([PAGE, ROWS * H], gl.float32, MMA), gl.zeros([PAGE, N2], gl.float32, MMA2))
+    out_args = (out_rows, row_ok, tok2, len2, col0, max_model_len)
     # Page t + 1's words and scales load into registers while page t is scored and page t + 2
     # is copied into L2, so no load waits inside a page (more pages ahead was slower). A page
     # that is -1, past the pool or past num_scored is read at page 0 (a masked load costs a
@@ -211,7 +256,7 @@ def paged_decode_mxfp4_kernel(
         ok_a = ok_b
         base_b, ok_b = _page_base(_entry(entries, t + 2), *pages)
         _prefetch_l2(base_b)
-        _score_page(words, scales, ok, t * PAGE, *out_args)
+        _score_page(words, scales, ok, t * PAGE, zeros, operands, ROWS2 > 0, *out_args)
     _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)
 
 
@@ -294,19 +339,29 @@ def _load_page(base, offs):
 
 
 @gluon.jit
-def _score_page(words, scales, ok, offset, zero, q_smem, w_smem, out_rows, row_ok, tok2, len2, col0, max_model_len):
+def _score_page(words, scales, ok, offset, zeros, operands, TWO: gl.constexpr, out_rows, row_ok, tok2, len2, col0,
+                max_model_len):
     """Decode a page, score it against the queries and store its [64, rows] logits at columns
-    ``col0 + offset + token`` (-inf where unreadable or past a row's length). ``zero``: a [64, N]
-    fp32 zero in the product's layout."""
-    MMA: gl.constexpr = zero.type.layout
+    ``col0 + offset + token`` (-inf where unreadable or past a row's length). ``zeros``: [64, N]
+    fp32 zeros in the layouts of the score products, ``operands``: ``_products_operands``, ``TWO``:
+    whether there is a second product."""
+    q_smem, w_smem, q2_smem, w2_smem = operands
     KEYS: gl.constexpr = _key_layout()
-    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zeros[0].type.layout, k_width=4)
     keys, top = _decode(gl.convert_layout(words, gl.SliceLayout(2, gl.SliceLayout(4, KEYS))), scales, KEYS, A)
-    acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zeros[0], use_acc=False, is_async=True)
+    if TWO:
+        # The same A registers; the second product's layout differs only in its width.
+        keys2 = gl.convert_layout(keys, gl.DotOperandLayout(operand_index=0, parent=zeros[1].type.layout, k_width=4),
+                                  assert_trivial=True)
+        acc2 = warpgroup_mma(keys2, q2_smem.permute((1, 0)), zeros[1], use_acc=False, is_async=True)
+        acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc2 = acc
     # 2**(top - 127) from its bits (the 2**-6 is in the weights); top 0 gives 0 instead of 2**-127.
     factor = gl.convert_layout((top << 23).to(gl.float32, bitcast=True), gl.SliceLayout(1, tok2.type.layout))
-    scores = _mma_head_sums(acc, w_smem, MMA) * factor[:, None]
+    scores = _mma_head_sums(acc, w_smem, acc2, w2_smem, TWO) * factor[:, None]
     _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, offset, max_model_len)
 
 
@@ -405,12 +460,14 @@ def paged_decode_fp8_kernel(
     out_ptr,          # [B * NEXT_N, max_model_len] fp32
     num_pages, max_blocks, bt_stride, scale_stride, max_model_len, out_stride,
     NEXT_N: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr, TILES: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, ROWS2: gl.constexpr = 0,  # as in paged_decode_mxfp4_kernel
 ):
     D: gl.constexpr = 128
     PAGE: gl.constexpr = 64
     N: gl.constexpr = ROWS * H
+    N2: gl.constexpr = _second_columns(ROWS2, ROWS, H)
     MMA: gl.constexpr = _score_mma_layout(N)
+    MMA2: gl.constexpr = _score_mma_layout(N2)
 
     b = gl.program_id(1)
     col0 = gl.program_id(0) * (TILES * PAGE)
@@ -427,14 +484,14 @@ def paged_decode_fp8_kernel(
     for s in gl.static_range(STAGES):
         _fetch_page(k_desc, _entry(entries, s), s < num_scored, num_pages, bars.index(s), k_smem.index(s))
 
-    q_smem = _query_operand(q_ptr, b, NEXT_N, H, N, False)
-    w_smem = _head_weight_operand(w_ptr, b, 1.0, NEXT_N, H, N)
+    q_smem, w_smem, q2_smem, w2_smem = _products_operands(q_ptr, w_ptr, b, 1.0, NEXT_N, H, ROWS, ROWS2, False)
     tok2, len2, out_rows, row_ok = _row_outputs(out_ptr, out_stride, b, col0, ncol, len_col, NEXT_N)
     fence_async_shared()
     gl.thread_barrier()
 
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, tok2.type.layout))
     acc0 = gl.zeros([PAGE, N], gl.float32, MMA)
+    acc20 = gl.zeros([PAGE, N2], gl.float32, MMA2)
 
     page = _entry(entries, 0)
     ok_next = page >= 0
@@ -451,13 +508,18 @@ def paged_decode_fp8_kernel(
         mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
         keys = k_smem.index(slot).reshape([PAGE, D])
         acc = warpgroup_mma(keys, q_smem.permute((1, 0)), acc0, use_acc=False, is_async=True)
-        acc, keys = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keys))
+        if ROWS2 > 0:
+            acc2 = warpgroup_mma(keys, q2_smem.permute((1, 0)), acc20, use_acc=False, is_async=True)
+            acc, acc2, keys = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2, keys))
+        else:
+            acc, keys = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keys))
+            acc2 = acc
         # Every warp is past its wgmma, so the slot is free for the page STAGES ahead.
         gl.thread_barrier()
         _fetch_page(k_desc, _entry(entries, t + STAGES), t + STAGES < num_scored, num_pages, bars.index(slot),
                     k_smem.index(slot))
 
-        scores = _mma_head_sums(acc, w_smem, MMA) * scales[:, None]
+        scores = _mma_head_sums(acc, w_smem, acc2, w2_smem, ROWS2 > 0) * scales[:, None]
         _store_page(scores, out_rows, row_ok, tok2, len2, ok, col0, t * PAGE, max_model_len)
 
     _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)

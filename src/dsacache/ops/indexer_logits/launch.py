@@ -33,7 +33,7 @@ DECODE_CONFIG = {
     "maxnreg_cols": 64,    # caps apply up to this many product columns (next_n rounded up, times H); wider got slower
     "split_rows": {2: 64},  # next_n -> fewest heads at which a product a row (fewer accumulators) was faster
     "kernel": {1: "gluon", 2: "gluon", 3: "gluon", 4: "gluon"},  # FP8 keys, next_n -> kernel (Triton off Hopper)
-    # FP8 Gluon kernel, by product columns (next_n rounded up to a power of two, times H): (at most
+    # FP8 Gluon kernel, by product columns (the rows of its score products, gluon_product_rows, times H): (at most
     # this many columns, pages a program, pages in its TMA ring, one wave). Up to 64 columns a
     # 2-page ring leaves room for 8-10 programs an SM, and 16 pages a program were the fastest (or
     # within 0.7 us of it) at every measured shape; at 128 columns the registers allow 5 programs
@@ -41,6 +41,8 @@ DECODE_CONFIG = {
     # programs ("one wave": ``one_wave_tiles``); 256 columns as measured before
     # (docs/benchmarks.md, "Paged decode logits").
     "fp8_gluon_shapes": ((64, 16, 2, False), (128, 16, 3, True), (256, 32, 4, False)),
+    "gluon_row_split": {3: (2, 1)},  # both Gluon decodes, next_n -> query rows of two score products: next_n 3
+                                     # as 2 + 1 rows (3 H columns) instead of one product of 4 (4 H columns)
     "fp8_gluon_tiles": None,   # overrides the pages a program of fp8_gluon_shapes (sweeps, tests)
     "fp8_gluon_stages": None,  # overrides the ring of fp8_gluon_shapes
     "gluon_min_programs_per_sm": 2,  # both Gluon decodes: fewer pages a program (down to 4) until the grid has this
@@ -192,6 +194,13 @@ def _page_runs(q: torch.Tensor, max_model_len: int, tiles: int, min_per_sm: int,
     return tiles, triton.cdiv(max_model_len, KERNEL_PAGE_SIZE * tiles)
 
 
+def gluon_product_rows(cfg: dict, next_n: int) -> tuple[int, int]:
+    """(query rows of the first score product, of the second; 0: none) of a Gluon decode. A
+    product's rows are a power of two (a tensor's shape): next_n rounded up in one product, or
+    the split ``gluon_row_split`` gives, the keys of a page multiplied twice."""
+    return (cfg["gluon_row_split"] or {}).get(next_n, (triton.next_power_of_2(next_n), 0))
+
+
 def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_table, out, cfg) -> None:
     """``decode_gluon.paged_decode_mxfp4_kernel``: reads whole pages (values, then scales);
     ``gluon_wide_tiles`` or ``TILES`` pages a program (fewer on a short grid)."""
@@ -199,15 +208,15 @@ def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_t
 
     batch, next_n, num_heads, head_dim = q.shape
     max_model_len = out.shape[1]
-    rows = triton.next_power_of_2(next_n)
-    wide = rows * num_heads >= 128
+    rows, rows2 = gluon_product_rows(cfg, next_n)
+    wide = (rows + rows2) * num_heads >= 128
     tiles, runs = _page_runs(q, max_model_len, cfg["gluon_wide_tiles"] if wide else cfg["TILES"],
                              cfg["gluon_min_programs_per_sm"], 4)
     paged_decode_mxfp4_kernel[(runs, batch)](
         q, weights, context_lens, values, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
         out.stride(0), NEXT_N=next_n, ROWS=rows, H=num_heads,
-        PER_ROW=context_lens.dim() == 2, TILES=tiles, num_warps=4,
+        PER_ROW=context_lens.dim() == 2, TILES=tiles, ROWS2=rows2, num_warps=4,
     )
 
 
@@ -249,14 +258,15 @@ def _launch_gluon_fp8_decode(q, weights, context_lens, values, scales, block_tab
 
     batch, next_n, num_heads, head_dim = q.shape
     max_model_len = out.shape[1]
-    rows = triton.next_power_of_2(next_n)
-    tiles, stages, one_wave = fp8_gluon_settings(cfg, rows * num_heads)
+    rows, rows2 = gluon_product_rows(cfg, next_n)
+    tiles, stages, one_wave = fp8_gluon_settings(cfg, (rows + rows2) * num_heads)
     tiles, runs = _page_runs(q, max_model_len, tiles, cfg["gluon_min_programs_per_sm"], 4)
     k_desc = TensorDescriptor(values, list(values.shape), list(values.stride()), [1, KERNEL_PAGE_SIZE, head_dim],
                               NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
     args = (q, weights, context_lens, k_desc, scales, block_table, out, values.shape[0], block_table.shape[1],
             block_table.stride(0), scales.stride(0), max_model_len, out.stride(0))
-    consts = dict(NEXT_N=next_n, ROWS=rows, H=num_heads, PER_ROW=context_lens.dim() == 2, STAGES=stages, num_warps=4)
+    consts = dict(NEXT_N=next_n, ROWS=rows, ROWS2=rows2, H=num_heads, PER_ROW=context_lens.dim() == 2, STAGES=stages,
+                  num_warps=4)
     if one_wave:
         # Programs resident at once, from the kernel compiled with these settings (the pages a
         # program change only its block-table buffer, a few hundred bytes of shared memory), once
