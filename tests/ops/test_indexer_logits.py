@@ -547,7 +547,7 @@ def test_fp8_gluon_settings_by_product_columns():
 
     assert fp8_gluon_settings(DECODE_CONFIG, 32) == (16, 2, False)     # next_n 1, H = 32
     assert fp8_gluon_settings(DECODE_CONFIG, 64) == (16, 2, False)     # next_n 1 at H = 64, next_n 2 at 32
-    assert fp8_gluon_settings(DECODE_CONFIG, 128) == (16, 3, True)     # next_n 2 at H = 64, 3-4 at 32
+    assert fp8_gluon_settings(DECODE_CONFIG, 128) == (16, 2, True)     # next_n 2 at H = 64, 3-4 at 32
     assert fp8_gluon_settings(DECODE_CONFIG, 256) == (32, 4, False)
     assert fp8_gluon_settings(DECODE_CONFIG, 512) == (32, 4, False)     # wider than the table: its last entry
     assert fp8_gluon_settings({**DECODE_CONFIG, "fp8_gluon_tiles": 8, "fp8_gluon_stages": 5}, 128) == (8, 5, True)

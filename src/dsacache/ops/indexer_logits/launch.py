@@ -37,10 +37,11 @@ DECODE_CONFIG = {
     # this many columns, pages a program, pages in its TMA ring, one wave). Up to 64 columns a
     # 2-page ring leaves room for 8-10 programs an SM, and 16 pages a program were the fastest (or
     # within 0.7 us of it) at every measured shape; at 128 columns the registers allow 5 programs
-    # an SM, and a grid of 2-3 waves of 16-page programs lost 5-20 % against one wave of longer
-    # programs ("one wave": ``one_wave_tiles``); 256 columns as measured before
-    # (docs/benchmarks.md, "Paged decode logits").
-    "fp8_gluon_shapes": ((64, 16, 2, False), (128, 16, 3, True), (256, 32, 4, False)),
+    # an SM, a grid of 2-3 waves of 16-page programs lost 5-20 % against one wave of longer
+    # programs ("one wave": ``one_wave_tiles``), and a 2-page ring was 1-6 % faster than 3 where the
+    # grid is one wave, level at 128K; 256 columns as measured before (docs/benchmarks.md, "Paged
+    # decode logits").
+    "fp8_gluon_shapes": ((64, 16, 2, False), (128, 16, 2, True), (256, 32, 4, False)),
     "gluon_row_split": {3: (2, 1)},  # both Gluon decodes, next_n -> query rows of two score products: next_n 3
                                      # as 2 + 1 rows (3 H columns) instead of one product of 4 (4 H columns)
     "fp8_gluon_tiles": None,   # overrides the pages a program of fp8_gluon_shapes (sweeps, tests)
