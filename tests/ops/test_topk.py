@@ -511,8 +511,8 @@ def test_topk_gpu_long_windows_with_row_starts(width):
 def test_row_kernel_on_prefill_windows(rows, width):
     """The Hopper row kernel on rows with row starts (prefill windows: start = the query's
     first visible column, some cutting into a filter tile, some shorter than the sampled
-    path's threshold): each row it takes equals the reference, each row it leaves is untouched,
-    and the full launch (the Triton select after it) equals the reference."""
+    path's threshold) equals the reference: the rows its sampled steps take and the short one
+    it selects by radix passes over the window."""
     from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -521,23 +521,15 @@ def test_row_kernel_on_prefill_windows(rows, width):
     gen = torch.Generator(device="cuda").manual_seed(rows)
     logits = torch.randn(rows, width, device="cuda", generator=gen)
     logits[:, ::97] = logits[:, ::97].round()  # exact ties near every cut-off
-    # Windows of at least 3/4 of the row: the cut-off stays clear of the rounded ties at 0.0,
-    # which would fill the chosen bin past TIES and send those rows to the Triton select.
     starts = torch.randint(0, width // 4, (rows,), device="cuda", generator=gen, dtype=torch.int32)
     starts[:3] = torch.tensor([0, 1, 255], dtype=torch.int32)
     lens = (width - starts).to(torch.int32)
     lens[3] = 5000  # a window shorter than the row, ending mid-row
-    lens[4] = 3000  # short: not sampled, left to the Triton select
+    lens[4] = 3000  # short: not sampled, radix passes over the window
     assert select_kernel(logits, k) == "row"
     ref = run_topk("torch", logits, lens, k, row_starts=starts)
-    only = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-    launch_topk(logits, lens, starts, only, TopkConfig(select="gluon-only"))
-    taken = (only != -7).all(dim=1)
-    assert taken.float().mean() > 0.6, f"the row kernel left windows {(~taken).nonzero().flatten().tolist()}"
-    assert torch.equal(only[taken], ref[taken])
-    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the row kernel"
     out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-    launch_topk(logits, lens, starts, out)
+    launch_topk(logits, lens, starts, out, TopkConfig(select="gluon-only"))
     assert torch.equal(out, ref)
 
 
@@ -547,8 +539,8 @@ def test_row_kernel_keeps_skewed_rows(width, with_starts):
     """Rows whose largest logits bunch in a few warps' slices (sorted either way, ramps, one hot
     slice, a ramp with exact ties at the cut-off) give those warps more candidates than the ballot
     select loads a segment (at 32K more than a segment holds), so only the rescan
-    (``_rescan_select``) can take them: every such row is taken by the row kernel alone and
-    equals the reference, and the full launch does too."""
+    (``_rescan_select``) or the radix passes over the row can take them: every row equals the
+    reference, on repeated launches."""
     from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -573,15 +565,49 @@ def test_row_kernel_keeps_skewed_rows(width, with_starts):
         lens = torch.full((8,), width, dtype=torch.int32, device="cuda")
     assert select_kernel(logits, k) == "row"
     ref = run_topk("torch", logits, lens, k, row_starts=starts)
-    only = torch.full((8, k), -7, dtype=torch.int32, device="cuda")
-    launch_topk(logits, lens, starts, only, TopkConfig(select="gluon-only"))
-    taken = (only != -7).all(dim=1)
-    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the row kernel"
-    assert torch.equal(only[taken], ref[taken])
-    assert taken[[0, 1, 2, 3, 4, 6]].all(), f"the row kernel left rows {(~taken).nonzero().flatten().tolist()}"
     for _ in range(2):
         out = torch.full((8, k), -7, dtype=torch.int32, device="cuda")
         launch_topk(logits, lens, starts, out)
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width, first", [(8_192, "row"), (32_768, "row"), (40_000, "gluon")])
+def test_gluon_kernels_select_the_rows_the_common_path_cannot(width, first):
+    """Rows off the Gluon kernels' common path. The row kernel (nothing after it, ``gluon-only``)
+    takes them all: heavy ties (a chosen bin far past TIES, cut by radix passes over its
+    candidates, or over the rescan's scratch when the row is skewed too), and the rows its sampled
+    steps cannot take, selected by radix passes over the row (``_select_whole_row``): empty, one
+    logit, lengths around k and around the sampled path's
+    threshold (2 x 2048 samples), a few values each tied thousands of times, and cut-offs the
+    samples miss both ways (samples far above the rest: fewer than k candidates; far below: more
+    than the buffer holds). Each row equals the reference, on repeated launches."""
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon kernels run on Hopper and newer")
+    k, runs, run = 2048, 2048 // 8, 8
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    logits = torch.randn(13, width, device="cuda", generator=gen)
+    lens = torch.tensor([0, 1, k - 1, k, k + 1, 4096, 4097, width, width, width, width, 63, width],
+                        dtype=torch.int32, device="cuda")
+    logits[7] = torch.randint(0, 5, (width,), device="cuda", generator=gen).float()    # thousands of ties
+    sampled = ((torch.arange(2048) // run) * (width // runs) + torch.arange(2048) % run).cuda()
+    logits[8, sampled] += 20.0 + torch.rand(2048, device="cuda", generator=gen)  # a cut-off above all but samples
+    logits[9, sampled] -= 20.0                                                    # a cut-off below every logit
+    logits[10, ::3] = 1.0                                                         # a third of the row tied
+    logits[12] = torch.randint(0, 50, (width,), device="cuda", generator=gen).float()  # a chosen bin past TIES
+    assert select_kernel(logits, k) == first
+    ref = run_topk("torch", logits, lens, k)
+    check_valid(ref, lens, k)
+    only = torch.full((13, k), -7, dtype=torch.int32, device="cuda")
+    launch_topk(logits, lens, None, only, TopkConfig(select="gluon-only"))
+    taken = (only != -7).all(dim=1)
+    assert first == "gluon" or taken.all(), f"the row kernel left rows {(~taken).nonzero().flatten().tolist()}"
+    assert torch.equal(only[taken], ref[taken])
+    for _ in range(2):
+        out = torch.full((13, k), -7, dtype=torch.int32, device="cuda")
+        launch_topk(logits, lens, None, out)
         assert torch.equal(out, ref)
 
 
@@ -590,11 +616,11 @@ def test_row_kernel_keeps_skewed_rows(width, with_starts):
                                                       (256, 32_768, True, "row"), (64, 32_768, False, "row"),
                                                       (5, 8_192, True, "row"), (7, 40_000, False, "gluon")])
 def test_gluon_kernels_match_reference(rows, length, pdl, first):
-    """The Hopper kernels before the Triton select (the row kernel: cut-off, filter and ballot
-    select in one launch, up to ``row_max_len``; the ballot select after the Triton filter for
-    wider logits) on the rows they take (random rows, ties inside the chosen bin) write the
-    reference's output element for element; the rows they leave (heavy ties, a sorted row,
-    short rows) are finished by the Triton select."""
+    """The Hopper kernels (the row kernel: cut-off, filter and ballot select in one launch, up
+    to ``row_max_len``; the ballot select after the Triton filter for wider logits) on the rows
+    they take (random rows, ties inside the chosen bin) write the reference's output element
+    for element. The rows the sampled steps cannot take (heavy ties, a sorted row, short rows)
+    are finished by the row kernel itself, or by the Triton select after the ballot select."""
     from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -607,18 +633,20 @@ def test_gluon_kernels_match_reference(rows, length, pdl, first):
     only = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
     launch_topk(logits, lens, None, only, TopkConfig(select="gluon-only", pdl=pdl))
     taken = (only != -7).all(dim=1)
-    assert taken.float().mean() > 0.9, "the Gluon row kernel left most random rows"
+    assert taken.float().mean() > 0.9, "the Gluon kernel left most random rows"
     assert torch.equal(only[taken], ref[taken])
-    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the Gluon row kernel"
+    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the Gluon kernel"
+    assert first != "row" or taken.all(), "the row kernel left a row"
 
     logits[0] = torch.randint(0, 3, (length,), device="cuda").float()
     logits[1] = logits[1].sort().values
     lens[2] = 5000
     ref = run_topk("torch", logits, lens, k)
-    for _ in range(3):
-        out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-        launch_topk(logits, lens, None, out, TopkConfig(pdl=pdl))
-        assert torch.equal(out, ref)
+    for select in ("gluon", "gluon-only") if first == "row" else ("gluon",):
+        for _ in range(3):
+            out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
+            launch_topk(logits, lens, None, out, TopkConfig(pdl=pdl, select=select))
+            assert torch.equal(out, ref)
     assert select_kernel(logits, k) == first
     if first == "row":  # rows not 16-byte aligned: the Triton filter, then the ballot select
         assert select_kernel(logits[:, 1:], k) == "gluon"
@@ -641,7 +669,7 @@ from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel as select
 
 W, V = {warps}, {vec}
 pointers = ["logits_ptr", "lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr",
-            "counts_ptr", "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]
+            "counts_ptr", "tie_keys_ptr", "tie_pos_ptr"]
 signature = {{name: "*i32" for name in pointers}}
 signature.update(logits_ptr="*fp32", seg_ptr="*i64", row_stride="i32", width="i32", stride_tie="i32")
 constants = dict(K=2048, SAMPLES=2048, SAMPLE_RUN=8, SAMPLE_BITS=TopkConfig().sample_bits, SEG=8192 // W, LOAD=256,

@@ -13,11 +13,11 @@ A row of ``n`` valid logits is selected one of two ways:
 
 On Hopper and newer (compiled CUDA), logits up to ``TopkConfig.row_max_len`` wide with
 16-byte aligned rows (decode rows, or prefill windows with row starts) take one launch of
-``row_gluon.topk_row_kernel`` for all three steps, a program a row; other logits take the
-Triton cut-off and filter, then the Gluon ballot select
-(``select_gluon.topk_select_ballot_kernel``). Either way ``select_triton.topk_select_kernel``
-then finishes the rows the Gluon kernel leaves (short rows, a missed cut-off, a chosen bin
-too full to cut; after the ballot select also a skewed row, which the row kernel keeps).
+``row_gluon.topk_row_kernel`` for all three steps, a program a row, which finishes every row
+itself (the rare row its steps cannot take by radix passes over the row); other logits take
+the Triton cut-off and filter, then the Gluon ballot select
+(``select_gluon.topk_select_ballot_kernel``), then ``select_triton.topk_select_kernel`` for
+the rows the ballot select leaves (short rows, a missed cut-off, a skewed row).
 Elsewhere the steps are three Triton kernels,
 ``cutoff.topk_cutoff_kernel`` (a program a row), ``filter.topk_filter_kernel`` (PROGS
 one-warp programs a row) and ``select_triton.topk_select_kernel``, whose own branches cover a
@@ -62,7 +62,8 @@ class TopkConfig:
     #: adjacent logits a sample run: 8 fp32 are one 32-byte memory sector
     sample_run: int = 8
     #: bits a radix pass of the cut-off search fixes (32 bins, 6 passes at most, the last two bits left 0, which
-    #: only lowers the cut-off): 0.3-0.8 us faster than 4 bits at every measured shape, 6 and 8 bits slower
+    #: only lowers the cut-off): 0.3-0.8 us faster than 4 bits at every measured shape, 6 and 8 bits slower; in
+    #: the Hopper row kernel also the digit of the radix passes that cut a chosen bin past ``ties`` candidates
     sample_bits: int = 5
     #: warps of the cut-off kernel's one program a row (the samples in registers, 8 a thread)
     cutoff_warps: int = 8
@@ -78,14 +79,14 @@ class TopkConfig:
     ahead: int | None = None
     #: candidate slots of each segment the select loads first (None: ``select_first_load``)
     load: int | None = None
-    #: largest chosen bin ranked pairwise (ties^2 compares; a larger bin takes radix passes)
+    #: largest chosen bin ranked pairwise (ties^2 compares; a larger bin takes radix passes over its candidates)
     ties: int = 32
     #: programmatic dependent launch of every top-k kernel (Hopper and newer): hides the gaps between launches
     pdl: bool = True
     #: "gluon": on Hopper, the row kernel (``row_gluon``) or, for wider logits, the Gluon ballot
     #: select after the Triton filter, where they apply; "triton": the three Triton kernels only
-    #: (the path off Hopper); "gluon-only", for tests: no Triton select after the Gluon kernel
-    #: (rows it leaves stay unwritten)
+    #: (the path off Hopper); "gluon-only", for tests: no Triton select after the ballot select
+    #: (rows it leaves stay unwritten; the row kernel leaves none)
     select: str = "gluon"
     #: warps of the Triton select (None: 8 when the rows fit one wave on the SMs, which is
     #: latency-bound and holds a row's candidates without spilling, else 16)
@@ -233,17 +234,16 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     if plan.first == "row":
         from dsacache.ops.topk.row_gluon import topk_row_kernel  # Gluon is imported only where it runs
 
-        done = torch.empty(rows, dtype=torch.int32, device=device)
+        # It finishes every row itself: no Triton select after it.
         topk_row_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
-                                 buf_keys, buf_pos, done, stride, window["width"], buf_keys.stride(0), K=k,
+                                 buf_keys, buf_pos, stride, window["width"], buf_keys.stride(0), K=k,
                                  SAMPLES=cfg.samples, SAMPLE_RUN=cfg.sample_run, SAMPLE_BITS=cfg.sample_bits,
                                  SEG=cap // progs, LOAD=plan.load, CAP=cap, BINS=cfg.bins, TIES=cfg.ties, V=vec,
                                  TILE_PTX=filter_tile_ptx(vec), TILE_REGS=filter_tile_regs(vec), AHEAD=plan.ahead,
                                  HAS_STARTS=window["HAS_STARTS"], num_warps=progs, **pdl,
                                  **({"maxnreg": cfg.row_maxnreg} if cfg.row_maxnreg else {}))
-        skip = {"done_ptr": done, "SKIP_DONE": True}
-    else:
-        _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, window, pdl, common)
+        return
+    _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, window, pdl, common)
     if plan.first == "gluon":
         from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel
 

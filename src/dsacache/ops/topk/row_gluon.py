@@ -14,13 +14,17 @@ the same steps with a CTA barrier between them, which is faster for rows up to 3
    warp's slice kept more candidates than its segment loads), ``_rescan_select``: two more
    scans of each slice, one counting each warp's takes, one writing them.
 
+Every row is finished here: a row the three steps cannot take (a short row, a missed cut-off,
+a skewed row whose chosen bin holds more than TIES candidates) is selected by ``_select_whole_row``,
+radix passes over the row as the Triton path's ``radix.select_whole_row``. So no second
+kernel follows this one (a Triton select launched after it for the rare row it left cost
+0.5-0.9 us a call, ``docs/benchmarks.md``).
+
 It takes logits up to ``TopkConfig.row_max_len`` wide (``launch.py``): a longer row is
 streamed faster by the Triton filter's many one-warp programs spread over the SMs.
 The first filter tile is loaded before the samples are narrowed, so its latency hides behind
-that. Every output of steps 1 and 2 (cut-off, shift, histogram, segments, counts) is written
-where and as the Triton kernels write it, so a row this kernel leaves (``done = 0``: a short
-row, a missed cut-off, a chosen bin with more than TIES candidates to cut) is finished by
-``select_triton.topk_select_kernel`` with ``SKIP_DONE``, launched after it.
+that. Steps 1 and 2 write their outputs (cut-off, shift, histogram, segments, counts) to
+global scratch, where the select and the rescan read them back.
 Rows must be 16-byte aligned (the tile PTX loads 4 logits at once).
 """
 
@@ -32,7 +36,8 @@ from triton.experimental.gluon import language as gl
 from dsacache.ops.topk.cutoff import bit_length, float_cut
 from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
 from dsacache.ops.topk.select_gluon import _add, _candidate_bin, _candidate_bin_cut, _gdc_launch_dependents, \
-    _gdc_wait, _histogram_cut, _long_row, _row_window, _taken, _tie_cut, _tie_cut_keeps, ballot_select
+    _gdc_wait, _histogram_cut, _long_row, _row_window, _taken, _tie_cut, _tie_cut_keeps, ballot_select, \
+    radix_narrow
 
 
 # The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
@@ -47,26 +52,11 @@ _float_cut = gluon.jit(float_cut.fn)
 @gluon.jit
 def _narrow_samples(keys, need, slack, BITS: gl.constexpr, layout: gl.constexpr):
     """The prefix (lower bits 0) of a bin holding the ``need``-th largest sample, taken whole
-    or holding at most ``slack`` samples: ``radix.radix_narrow`` over all the samples."""
-    BINS: gl.constexpr = 1 << BITS
-    PASSES: gl.constexpr = 32 // BITS
+    or holding at most ``slack`` samples: ``radix_narrow`` over all the samples, the last
+    32 % BITS bits left 0 (which only lowers the cut-off)."""
     size: gl.constexpr = keys.shape[0]
-    prefix = gl.max(keys, axis=0) & 0
-    top = gl.full([], 32, gl.int32)
-    whole = (need == size) | (size <= slack)
-    done = whole
-    for _ in range(PASSES):  # a runtime loop: one copy of the pass in the code
-        if not done:
-            shift = gl.maximum(top - BITS, 0)
-            high = ((0xFFFFFFFF << top.to(gl.int64)) & 0xFFFFFFFF).to(gl.uint32)
-            match = ((keys ^ prefix) & high) == 0
-            digit = ((keys >> shift.to(gl.uint32)) & (BINS - 1)).to(gl.int32)
-            hist = gl.histogram(digit, BINS, mask=match, layout=layout)
-            chosen, need, in_bin = _histogram_cut(hist, need, layout)
-            prefix = prefix | (chosen.to(gl.uint32) << shift.to(gl.uint32))
-            top = shift
-            whole = (need == in_bin) | (in_bin <= slack)
-            done = whole | (top == 0)
+    prefix, _, _ = radix_narrow(keys, keys == keys, size, need, gl.max(keys, axis=0) & 0, gl.full([], 32, gl.int32),
+                                slack, BITS, 32 // BITS, layout)
     return prefix
 
 
@@ -166,9 +156,55 @@ def _tie_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, ch
 
 
 @gluon.jit
+def _slice_takes(row_ptr, col, start, hi_b, limit, tiles, cut_f, cut, shift, chosen, cut_d, cut_p,
+                 BINS: gl.constexpr, TILE: gl.constexpr):
+    """Each warp's takes ([W]) in its slice (tiles from columns ``col``), by the rule ``_taken``."""
+    takes = gl.sum(gl.zeros_like(col), axis=1)
+    for _ in range(tiles):
+        x = gl.load(row_ptr + col, mask=col < limit, other=0.0)
+        dist, bin_, kept = _tile_bins(x, col, start, hi_b, cut_f, cut, shift, BINS)
+        takes += gl.sum((kept & _taken(bin_, dist, col - start, chosen, cut_d, cut_p)).to(gl.int32), axis=1)
+        col += TILE
+    return takes
+
+
+@gluon.jit(noinline=True)
+def _narrow_scratch(tie_keys, tie_pos, in_bin, left, chosen, shift, n, BINS: gl.constexpr, BITS: gl.constexpr,
+                    SCRATCH: gl.constexpr):
+    """The tie cut (cut_d, cut_p) of a chosen bin of ``in_bin`` (<= SCRATCH) candidates compacted in
+    the scratch, in any order: radix passes over their distances for the ``left``-th largest, then,
+    when the cut falls inside a run of equal distances, radix passes over the positions of that run
+    for the last one taken (lowest positions first). Both start at the bits that can differ: the
+    chosen bin's low ``shift`` bits of the distance, a position's bits below ``n``'s length."""
+    W: gl.constexpr = gl.num_warps()
+    FLAT: gl.constexpr = gl.BlockedLayout([SCRATCH // (32 * W)], [32], [W], [0])
+    RL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    PASSES: gl.constexpr = (32 + BITS - 1) // BITS
+    j = gl.arange(0, SCRATCH, layout=FLAT)
+    live = j < in_bin
+    dist = gl.load(tie_keys + j, mask=live, other=0).to(gl.uint32, bitcast=True)
+    last = chosen == BINS - 1  # the last bin is open: all 32 bits of its distances vary
+    top = gl.where(last, 32, shift)
+    prefix = gl.where(last, 0, chosen << shift).to(gl.uint32)
+    cut_d, ties, whole = radix_narrow(dist, live, in_bin, left, prefix, top, 0, BITS, PASSES, RL)
+    cut_p = in_bin * 0 + 0x7FFFFFFF  # whole: every candidate at or above cut_d
+    if not whole:
+        equal = live & (dist == cut_d)
+        # Lower positions rank first: as keys, 0xFFFFFFFF - pos, whose bits from n's length up are all 1.
+        later = (0xFFFFFFFF - gl.load(tie_pos + j, mask=live, other=0).to(gl.uint32, bitcast=True))
+        top_p = gl.minimum(_bit_length(n.to(gl.uint32)), 31)
+        ones = ((0xFFFFFFFF << top_p.to(gl.int64)) & 0xFFFFFFFF).to(gl.uint32)
+        key, _, _ = radix_narrow(later, equal, gl.sum(equal.to(gl.int32), axis=0), ties, ones, top_p, 0, BITS, PASSES,
+                                 RL)
+        # Taken: keys >= key, i.e. positions <= 0xFFFFFFFF - key (all of them when key is still 0).
+        cut_p = gl.minimum(0xFFFFFFFF - key, 0x7FFFFFFF).to(gl.int32, bitcast=True)
+    return cut_d, cut_p
+
+
+@gluon.jit
 def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, counts_ptr, tie_keys_ptr,
                    tie_pos_ptr, row_stride, width, stride_tie, K: gl.constexpr, V: gl.constexpr, BINS: gl.constexpr,
-                   TIES: gl.constexpr, HAS_STARTS: gl.constexpr):
+                   TIES: gl.constexpr, BITS: gl.constexpr, SCRATCH: gl.constexpr, HAS_STARTS: gl.constexpr):
     """Step 3 for a row the ballot select leaves because some warp's slice kept more candidates
     than its segment loads (a skewed row: its largest logits bunched in a few slices); returns
     1 if it selected the row, else 0 (nothing written to the output).
@@ -176,10 +212,10 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
     The histogram and the counts are complete whatever the segments held, so the chosen bin
     is known; each warp then scans its slice twice more (from L2): once counting its takes
     (the chosen bin's candidates, when only some are taken, compacted into the tie scratch
-    and cut as in the ballot select), once writing them, in position order, after the takes
-    of the warps before it. It refuses the rows the ballot select's rule refuses for other
-    reasons (fewer than k candidates, a chosen bin of more than TIES to cut) and any row
-    whose takes do not add up to k."""
+    and cut as in the ballot select, or, past TIES candidates, by ``_narrow_scratch`` and one
+    more scan counting each warp's takes), once writing them, in position order, after the
+    takes of the warps before it. It refuses a row with fewer than k candidates or a chosen
+    bin of more than SCRATCH to cut, and any row whose takes do not add up to k."""
     W: gl.constexpr = gl.num_warps()
     TILE: gl.constexpr = 32 * V
     FL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
@@ -201,12 +237,12 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
     chosen, left, in_bin = _candidate_bin_cut(hist_row, want, BINS, W)
     whole = left == in_bin
     taken = n * 0
-    if (gl.sum(count, axis=0) >= want) & (whole | (in_bin <= TIES)):
+    if (gl.sum(count, axis=0) >= want) & (whole | (in_bin <= SCRATCH)):
         cut_f = _key_to_float(cut)
         col0 = lo[:, None] + gl.arange(0, TILE, layout=gl.SliceLayout(0, FL))[None, :]
         hi_b = hi[:, None]
-        counter = tie_keys + TIES + gl.zeros([W, TILE], gl.int32, FL)  # the scratch slot after the ties
-        gl.store(tie_keys + TIES, 0)
+        counter = tie_keys + SCRATCH + gl.zeros([W, TILE], gl.int32, FL)  # the scratch slot after the candidates
+        gl.store(tie_keys + SCRATCH, 0)
         gl.thread_barrier()  # the zeroed counter before any warp takes a slot
         above = gl.zeros_like(count)
         in_chosen = gl.zeros_like(count)
@@ -227,8 +263,14 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
         takes = above + in_chosen
         if left != in_bin:
             gl.thread_barrier()  # the chosen bin's candidates in the scratch
-            cut_d, cut_p = _tie_cut(tie_keys, tie_pos, in_bin, left, TIES, W)
-            takes = above + _tie_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, chunk, TIES, FL)
+            if in_bin <= TIES:
+                cut_d, cut_p = _tie_cut(tie_keys, tie_pos, in_bin, left, TIES, W)
+                takes = above + _tie_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, chunk, TIES,
+                                                   FL)
+            else:  # heavy ties: radix passes over the scratch, then the takes counted by one more scan
+                cut_d, cut_p = _narrow_scratch(tie_keys, tie_pos, in_bin, left, chosen, shift, n, BINS, BITS, SCRATCH)
+                takes = _slice_takes(row_ptr, col0, start, hi_b, limit, tiles, cut_f, cut, shift, chosen, cut_d, cut_p,
+                                     BINS, TILE)
         if gl.sum(takes, axis=0) == want:
             WL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])  # all W counts in each thread: a scan in registers
             every = gl.convert_layout(takes, WL)
@@ -247,20 +289,93 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
     return taken
 
 
+@gluon.jit(noinline=True)
+def _select_whole_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, row_stride, width, K: gl.constexpr,
+                      BITS: gl.constexpr, HAS_STARTS: gl.constexpr):
+    """The top ``min(n, K)`` of the row's window by radix passes over it, in position order (ties
+    to the lower position), then -1 up to K: every row the sampled steps do not take (a short
+    row, a missed cut-off, a skewed row with heavy ties). The rule of the Triton path's
+    ``radix.select_whole_row``; each pass streams the window from L2 in blocks of 4 logits a
+    thread, the next block's loads in flight while one is counted. Not inlined, and the row's
+    window and pointers found again here: values the compiler would otherwise share with the
+    other steps, kept live through them, spill at the kernel's register cap."""
+    W: gl.constexpr = gl.num_warps()
+    row = gl.program_id(0)
+    start, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
+    row_ptr = logits_ptr + row.to(gl.int64) * row_stride
+    out_row = out_ptr + row.to(gl.int64) * K
+    BLOCK: gl.constexpr = 4 * 32 * W
+    BINS: gl.constexpr = 1 << BITS
+    BL: gl.constexpr = gl.BlockedLayout([4], [32], [W], [0])
+    RL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    lanes = gl.arange(0, BLOCK, layout=BL)
+    end = start + n
+    blocks = gl.cdiv(n, BLOCK)
+    want = gl.minimum(n, K)
+    need = want
+    prefix = (n * 0).to(gl.uint32)
+    top = n * 0 + 32
+    whole = need == n  # all of it (or nothing): no pass
+    done = whole
+    for _ in range((32 + BITS - 1) // BITS):  # a runtime loop: one copy of the pass in the code
+        if not done:
+            shift = gl.maximum(top - BITS, 0)
+            high = ((0xFFFFFFFF << top.to(gl.int64)) & 0xFFFFFFFF).to(gl.uint32)
+            hist = gl.zeros([BINS], gl.int32, RL)
+            col = start + lanes
+            x = gl.load(row_ptr + col, mask=col < end, other=0.0)
+            for _ in range(blocks):
+                nxt = col + BLOCK
+                x_next = gl.load(row_ptr + nxt, mask=nxt < end, other=0.0)
+                key = _sortable_key(x)
+                match = (col < end) & (((key ^ prefix) & high) == 0)
+                digit = ((key >> shift.to(gl.uint32)) & (BINS - 1)).to(gl.int32)
+                hist += gl.histogram(digit, BINS, mask=match, layout=RL)
+                col = nxt
+                x = x_next
+            chosen, need, in_bin = _histogram_cut(hist, need, RL)
+            prefix = prefix | (chosen.to(gl.uint32) << shift.to(gl.uint32))
+            top = shift
+            whole = need == in_bin
+            done = whole | (top == 0)
+    # A bin taken whole: every key >= prefix. Else every key > prefix and the first `need` equal to it.
+    cut = prefix.to(gl.int64) - whole.to(gl.int64)
+    ties = need * (1 - whole.to(gl.int32))
+    written = n * 0
+    seen = n * 0
+    col = start + lanes
+    x = gl.load(row_ptr + col, mask=col < end, other=0.0)
+    for _ in range(blocks):
+        nxt = col + BLOCK
+        x_next = gl.load(row_ptr + nxt, mask=nxt < end, other=0.0)
+        valid = col < end
+        key = _sortable_key(x).to(gl.int64)
+        tie = (valid & (key == cut)).to(gl.int32)
+        take = (valid & (key > cut)) | ((tie != 0) & (seen + gl.associative_scan(tie, 0, _add) - tie < ties))
+        t = take.to(gl.int32)
+        gl.store(out_row + written + gl.associative_scan(t, 0, _add) - t, col - start, mask=take)
+        written += gl.sum(t, axis=0)
+        seen += gl.sum(tie, axis=0)
+        col = nxt
+        x = x_next
+    for c in gl.static_range(0, K, BLOCK):
+        idx = c + lanes
+        gl.store(out_row + idx, gl.full([BLOCK], -1, gl.int32, BL), mask=(idx >= want) & (idx < K))
+
+
 @gluon.jit
 def topk_row_kernel(
     logits_ptr,       # [R, row_stride] fp32, rows 16-byte aligned
     lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
     starts_ptr,       # [R] int32 or int64 first valid columns (clamped here)
     out_ptr,          # [R, K] int32
-    cut_ptr,          # [R] int32 out: the cut-off key of each long row
-    shift_ptr,        # [R] int32 out: log2 of the candidate histogram's bin width
-    hist_ptr,         # [R, BINS] int32 out: candidates a bin
-    seg_ptr,          # [R, W, SEG] int64 out: pos << 32 | key of each warp's candidates, in order
-    counts_ptr,       # [R, W] int32 out: candidates found by each warp (may exceed SEG)
+    cut_ptr,          # [R] int32 scratch: the cut-off key of each long row
+    shift_ptr,        # [R] int32 scratch: log2 of the candidate histogram's bin width
+    hist_ptr,         # [R, BINS] int32 scratch: candidates a bin
+    seg_ptr,          # [R, W, SEG] int64 scratch: pos << 32 | key of each warp's candidates, in order
+    counts_ptr,       # [R, W] int32 scratch: candidates found by each warp (may exceed SEG)
     tie_keys_ptr,     # [R, stride_tie] int32 scratch: the chosen bin's candidates
     tie_pos_ptr,      # [R, stride_tie] int32 scratch
-    done_ptr,         # [R] int32 out: 1 where this kernel selected the row
     row_stride, width, stride_tie,
     K: gl.constexpr, SAMPLES: gl.constexpr, SAMPLE_RUN: gl.constexpr, SAMPLE_BITS: gl.constexpr,
     SEG: gl.constexpr, LOAD: gl.constexpr, CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr,
@@ -271,10 +386,14 @@ def topk_row_kernel(
     TILE: gl.constexpr = 32 * V
     FL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])  # tile PTX: runs of 4, a warp a slice
     HL: gl.constexpr = gl.BlockedLayout([BINS // (32 * W)], [32], [W], [0])
+    # A skewed row's chosen bin the rescan can cut past TIES candidates: 8 a thread (more spill at
+    # the register cap), at most half the CAP + TIES slots of the tie scratch (the slot after them
+    # is its counter).
+    SCRATCH: gl.constexpr = min(CAP // 2, 256 * W)
     row = gl.program_id(0)
     if PDL:  # launched with PDL: nothing is read before the kernel before this one has finished
         _gdc_wait()
-        _gdc_launch_dependents()  # the Triton select (rows left to it) waits for this grid anyway
+        _gdc_launch_dependents()  # the kernel after waits for this grid before reading what it wrote
     start, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
     taken = n * 0
     if _long_row(n, K, SAMPLES):
@@ -300,10 +419,11 @@ def topk_row_kernel(
 
         fast = ballot_select(n, cut, shift, hist_row, seg_row, counts_ptr + row * W,
                              tie_keys_ptr + row.to(gl.int64) * stride_tie, tie_pos_ptr + row.to(gl.int64) * stride_tie,
-                             out_ptr + row.to(gl.int64) * K, K, W, SEG, LOAD, CAP, BINS, TIES)
+                             out_ptr + row.to(gl.int64) * K, K, W, SEG, LOAD, CAP, BINS, TIES, SAMPLE_BITS, True)
         taken = fast.to(gl.int32)
         if taken == 0:  # a skewed row: its takes found by scanning the slices again
             taken = _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, counts_ptr,
                                    tie_keys_ptr, tie_pos_ptr, row_stride, width, stride_tie, K, V, BINS, TIES,
-                                   HAS_STARTS)
-    gl.store(done_ptr + row, taken)
+                                   SAMPLE_BITS, SCRATCH, HAS_STARTS)
+    if taken == 0:  # a short row, a missed cut-off, a skewed row with heavy ties
+        _select_whole_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, row_stride, width, K, SAMPLE_BITS, HAS_STARTS)

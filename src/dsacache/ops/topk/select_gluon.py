@@ -16,9 +16,12 @@ slot, so:
   output is the same, element for element.
 
 It handles the common row only: a long row whose cut-off kept between k and CAP
-candidates, no segment fuller than LOAD, and a chosen bin taken whole or holding at most
-TIES candidates. Either kernel marks the rows it takes ``done``; the Triton select,
-launched after it, selects the rest (``SKIP_DONE``).
+candidates and no segment fuller than LOAD, and a chosen bin taken whole or holding at most
+TIES candidates; in the row kernel also a fuller chosen bin (heavy ties), cut by radix passes
+over its candidates. (After the Triton filter, at 64K and 128K, those passes were 7-20 us
+slower than the Triton select's on rows of 50 integer values, so that kernel leaves the row.)
+The row kernel selects the rest itself; ``topk_select_ballot_kernel`` marks the rows it takes
+``done`` and the Triton select, launched after it, selects the rest (``SKIP_DONE``).
 """
 
 from __future__ import annotations
@@ -137,16 +140,68 @@ def _tie_cut(tie_keys, tie_pos, in_bin, left, TIES: gl.constexpr, num_warps: gl.
 
 
 @gluon.jit
+def radix_narrow(keys, mask, count, need, prefix, top, slack, BITS: gl.constexpr, PASSES: gl.constexpr,
+                 layout: gl.constexpr):
+    """Narrow down to the ``need``-th largest of the uint32 ``keys`` (1-D) under ``mask``: the rule
+    of the Triton path's ``radix.radix_narrow``. The ``count`` masked keys share their bits at and
+    above ``top`` with ``prefix`` (whose lower bits are 0); each of at most PASSES passes fixes the
+    next BITS bits from a histogram (``layout``: one for 2**BITS bins). Returns ``(prefix, need,
+    whole)``: the top ``need`` are the keys above ``prefix`` plus the first ``need`` equal to it,
+    or, when ``whole``, every key ``>= prefix`` (a bin taken whole or holding at most ``slack``)."""
+    BINS: gl.constexpr = 1 << BITS
+    whole = (need == count) | (count <= slack)
+    done = whole | (top == 0)
+    for _ in range(PASSES):  # a runtime loop: one copy of the pass in the code
+        if not done:
+            shift = gl.maximum(top - BITS, 0)
+            high = ((0xFFFFFFFF << top.to(gl.int64)) & 0xFFFFFFFF).to(gl.uint32)
+            match = mask & (((keys ^ prefix) & high) == 0)
+            digit = ((keys >> shift.to(gl.uint32)) & (BINS - 1)).to(gl.int32)
+            hist = gl.histogram(digit, BINS, mask=match, layout=layout)
+            chosen, need, in_bin = _histogram_cut(hist, need, layout)
+            prefix = prefix | (chosen.to(gl.uint32) << shift.to(gl.uint32))
+            top = shift
+            whole = (need == in_bin) | (in_bin <= slack)
+            done = whole | (top == 0)
+    return prefix, need, whole
+
+
+@gluon.jit
+def _narrow_chosen_bin(seg_row, counts_row, cut, shift, chosen, left, in_bin, PROGS: gl.constexpr,
+                       SEG: gl.constexpr, LOAD: gl.constexpr, BINS: gl.constexpr, BITS: gl.constexpr):
+    """A chosen bin of more than TIES candidates (heavy ties): radix passes over its candidates'
+    distances for the ``left``-th largest, as ``(cut_d, ties, whole)`` (``radix_narrow``). The
+    candidates are loaded again from the segments (L2) in a 1-D layout, which the histogram takes."""
+    W: gl.constexpr = gl.num_warps()
+    SLOTS: gl.constexpr = PROGS * LOAD
+    FLAT: gl.constexpr = gl.BlockedLayout([SLOTS // (32 * W)], [32], [W], [0])
+    RL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    i = gl.arange(0, SLOTS, layout=FLAT)
+    seg_of = i // LOAD
+    slot = i % LOAD
+    pair = gl.load(seg_row + seg_of * SEG + slot)
+    valid = slot < gl.load(counts_row + seg_of)
+    dist = pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut
+    in_chosen = valid & (_candidate_bin(dist, shift, BINS) == chosen)
+    last = chosen == BINS - 1  # the last bin is open: all 32 bits of its distances vary
+    top = gl.where(last, 32, shift)
+    prefix = gl.where(last, 0, chosen << shift).to(gl.uint32)
+    return radix_narrow(dist, in_chosen, in_bin, left, prefix, top, 0, BITS, (32 + BITS - 1) // BITS, RL)
+
+
+@gluon.jit
 def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_pos, out_row,
                   K: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr, CAP: gl.constexpr,
-                  BINS: gl.constexpr, TIES: gl.constexpr):
+                  BINS: gl.constexpr, TIES: gl.constexpr, BITS: gl.constexpr, NARROW: gl.constexpr):
     """The exact top ``min(n, K)`` of one long row from its filtered candidates, written to
     ``out_row`` in position order, if the row is a common one; returns whether it was.
 
     ``cut`` / ``shift``: the row's (lowered) cut-off key and bin shift; ``hist_row`` [BINS],
     ``seg_row`` [PROGS, SEG] int64 (pos << 32 | key) and ``counts_row`` [PROGS]: what the
     filter wrote, complete and visible to this program; ``tie_keys`` / ``tie_pos``: TIES
-    slots of scratch. Nothing is written for a row it does not take."""
+    slots of scratch. A chosen bin of at most TIES candidates is ranked pairwise, a fuller one
+    (heavy ties), with NARROW, by radix passes of BITS bits over its candidates (without, the
+    row is left). Nothing is written for a row it does not take."""
     W: gl.constexpr = gl.num_warps()
     CPS: gl.constexpr = LOAD // 32                 # chunks a segment
     NCH: gl.constexpr = PROGS * CPS
@@ -162,8 +217,9 @@ def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_po
     want = gl.minimum(n, K)
     total = gl.sum(count, axis=0) // CPS           # each segment's count is held by its CPS chunks
     chosen, left, in_bin = _candidate_bin_cut(hist_row, want, BINS, W)
-    fast = ((total >= want) & (total <= CAP) & (gl.max(count, axis=0) <= LOAD)
-            & ((left == in_bin) | (in_bin <= TIES)))
+    fast = (total >= want) & (total <= CAP) & (gl.max(count, axis=0) <= LOAD)
+    if not NARROW:
+        fast = fast & ((left == in_bin) | (in_bin <= TIES))
     if fast:
         valid = slot < count[:, None]
         dist = pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut
@@ -171,6 +227,14 @@ def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_po
         bin_ = _candidate_bin(dist, shift, BINS)
         if left == in_bin:
             take = valid & (bin_ >= chosen)
+        elif NARROW and in_bin > TIES:
+            cut_d, ties, whole = _narrow_chosen_bin(seg_row, counts_row, cut, shift, chosen, left, in_bin, PROGS,
+                                                    SEG, LOAD, BINS, BITS)
+            # Above the cut, then the first `ties` equal to it in position order (all of them if whole).
+            tie = valid & (dist == cut_d)
+            cnt, before = _ballot_counts(tie.to(gl.int32))
+            rank = _exclusive_over_chunks(cnt) + before
+            take = valid & ((dist > cut_d) | (tie & (whole | (rank < ties))))
         else:
             in_chosen = valid & (bin_ == chosen)
             cnt, before = _ballot_counts(in_chosen.to(gl.int32))
@@ -216,7 +280,7 @@ def topk_select_ballot_kernel(
         fast = ballot_select(n, cut, gl.load(shift_ptr + row), hist_ptr + row.to(gl.int64) * BINS,
                              seg_ptr + row.to(gl.int64) * (PROGS * SEG), counts_ptr + row * PROGS,
                              tie_keys_ptr + row.to(gl.int64) * stride_tie, tie_pos_ptr + row.to(gl.int64) * stride_tie,
-                             out_ptr + row.to(gl.int64) * K, K, PROGS, SEG, LOAD, CAP, BINS, TIES)
+                             out_ptr + row.to(gl.int64) * K, K, PROGS, SEG, LOAD, CAP, BINS, TIES, 0, False)
         taken = fast.to(gl.int32)
     gl.store(done_ptr + row, taken)
 

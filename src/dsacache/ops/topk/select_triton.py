@@ -13,9 +13,9 @@ path does not cover each have their own branch:
   position): gathered into a dense buffer, the overflowed programs' slices filtered again
   from the row, then selected like the rest.
 
-On Hopper a Gluon kernel runs first and takes the common row (``row_gluon``, all three
-steps in one launch, or ``select_gluon`` after the Triton filter for wider logits); this
-kernel then finishes only the rows it left (``SKIP_DONE``). Loops over radix passes are
+On Hopper, for logits wider than the row kernel takes (``row_gluon``, which finishes every
+row itself), the Gluon ballot select (``select_gluon``) runs first after the Triton filter and
+takes the common row; this kernel then finishes only the rows it left (``SKIP_DONE``). Loops over radix passes are
 runtime loops: the select is latency-bound, and straight-line code larger than the
 instruction cache is slower.
 """
@@ -63,8 +63,8 @@ def topk_select_kernel(
     A skewed row (a program found more than its CAP / PROGS share, e.g. logits that grow
     with the position) is gathered into a dense buffer (``_gather_skewed``: the overflowed
     programs' slices filtered again) and selected the same way; short rows and a missed
-    cut-off take the radix select over the row. With SKIP_DONE, after a Gluon kernel
-    (``row_gluon`` or ``select_gluon``), only the rows it left (``done == 0``)."""
+    cut-off take the radix select over the row. With SKIP_DONE, after the Gluon ballot select
+    (``select_gluon``), only the rows it left (``done == 0``)."""
     row = tl.program_id(0)
     if PDL:
         gdc_wait()  # launched while the kernel before finished: its outputs are complete from here
