@@ -194,6 +194,17 @@ def test_store_fp8_packed_pool_page_stride(device):
 
 # ---- fused LayerNorm store -----------------------------------------------------------
 
+def assert_fused_close(fmt, pool_a, pool_b, slots):
+    """The fused tolerance: FP8 as :func:`assert_fp8_close`; MXFP4 bytes differ on under 0.1 % of
+    the entries' bytes (LayerNorm last bits move a code where a value sits on a rounding boundary)."""
+    if fmt == "fp8":
+        assert_fp8_close(pool_a, pool_b, slots)
+        return
+    valid = slots[slots >= 0]
+    a, b = torch.cat(pool_a.entries(valid), dim=1), torch.cat(pool_b.entries(valid), dim=1)
+    assert float((a != b).float().mean()) < 1e-3
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("num_tokens", [1, 65])
@@ -208,12 +219,7 @@ def test_fused_store_matches_reference(device, fmt, num_tokens):
 
     k, slots, tri, ref = store_both(fmt, num_tokens, 128, torch.bfloat16, device,
                                     max(2, 2 * num_tokens // PAGE), store, num_skipped=num_tokens // 8)
-    if fmt == "fp8":
-        assert_fp8_close(tri, ref, slots)
-    else:
-        valid = slots[slots >= 0]
-        a, b = torch.cat(tri.entries(valid), dim=1), torch.cat(ref.entries(valid), dim=1)
-        assert float((a != b).float().mean()) < 1e-3
+    assert_fused_close(fmt, tri, ref, slots)
     tri.assert_only_slots_written(slots)
     ref.assert_only_slots_written(slots)
     for s in slots[:4].tolist():
@@ -221,6 +227,50 @@ def test_fused_store_matches_reference(device, fmt, num_tokens):
             t = int((slots == s).nonzero()[0])
             expected = naive.layer_norm(k[t].cpu(), weight.cpu(), bias.cpu(), 1e-6)
             assert rel_rms_error(tri.decode_raw(s), expected) < (0.07 if fmt == "fp8" else 0.2)
+
+
+def conditioned_keys(num_tokens, head_dim, device):
+    """fp32 keys, 8 tokens a cycle: token 0 has a mean 1000 standard deviations off zero (the raw
+    variance E[x**2] - mean**2 would cancel), tokens 2 and 3 a mean 3 standard deviations off (just
+    inside the raw moments' guard), token 5 an element of 3e20 (its square is past fp32), the others
+    are random keys over six decades of magnitude. Tokens 0, 2 and 3 are integers times a power of
+    two with a row sum that ``head_dim`` divides, so their mean and centred values are exact in fp32
+    whatever the order of the sums: a 1000-sigma offset would otherwise make outputs near zero move
+    by a few codes with the order alone."""
+    k = random_keys(num_tokens, head_dim, torch.float32, "cpu")
+    cycle = torch.arange(num_tokens) % 8
+    grid = torch.randint(-64, 65, (num_tokens, head_dim)).float()
+    grid[:, 0] -= torch.remainder(grid.sum(dim=1), head_dim)
+    sigmas = torch.where(cycle == 0, 1000.0, 3.0)[:, None]
+    grid += (sigmas * grid.std(dim=1, keepdim=True)).round()
+    grid *= 2.0 ** torch.randint(-10, 11, (num_tokens, 1)).float()
+    offset = (cycle == 0) | (cycle == 2) | (cycle == 3)
+    k[offset] = grid[offset]
+    k[cycle == 5, 9] = 3.0e20
+    return k.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("num_tokens,head_dim", [(1, 128), (8, 96), (64, 128)])
+def test_fused_small_batch_moments_guard(device, fmt, num_tokens, head_dim):
+    """Small batches (programs of 2 tokens) take the LayerNorm's mean and variance from raw moments;
+    a program with a token they cannot serve (tokens 0 and 5 of each 8 here) takes the exact
+    two-pass statistics for both its tokens, the others (tokens 2, 3 and 6, 7) keep the raw ones,
+    near the guard's bound or not. Every token, its neighbours included, stores the reference's
+    bytes within the fused tolerance; without the guard token 0's raw variance is typically ~10 % off."""
+    launch = launch_module()
+    k = conditioned_keys(num_tokens, head_dim, device)
+    weight, bias = torch.randn(head_dim, device=device), torch.randn(head_dim, device=device) * 0.1
+    slots = random_slots(num_tokens, 2, device, num_skipped=num_tokens // 8)
+    pools = {}
+    for impl in (impl_for(device), "torch"):
+        pools[impl] = PackedPool(fmt, head_dim, 2, device)
+        fused_norm_store_indexer_keys(k, weight, bias, pools[impl].pages, slots, fmt, impl=impl)
+        pools[impl].assert_only_slots_written(slots)
+    chosen = launch.choose_store(k, pools["torch"].pages, IndexerKeyFormat(fmt, head_dim), weight, bias)
+    assert (chosen.block_t, chosen.num_warps) == (launch.SMALL_TOKENS_PER_PROGRAM, 1)
+    assert_fused_close(fmt, pools[impl_for(device)], pools["torch"], slots)
 
 
 @pytest.mark.gpu
@@ -520,8 +570,9 @@ def test_fused_mxfp4_moments_fall_back_to_two_passes(device):
 
 
 def test_store_launch_choice():
-    """Which kernel each batch gets: small batches one-warp programs, large fused bf16 MXFP4 the
-    tile loop (not with fp16 keys or without the norm), every FP8 batch the FP8 kernel."""
+    """Which kernel each batch gets: small batches one-warp programs with the raw-moment LayerNorm,
+    large fused bf16 MXFP4 the tile loop (not with fp16 keys or without the norm), every FP8 batch
+    the FP8 kernel; past the small batches the exact two-pass statistics."""
     launch = launch_module()
     pages = PackedPool("mxfp4", 128, 2, "cpu").pages
     w, b = torch.ones(128), torch.zeros(128)
@@ -530,7 +581,8 @@ def test_store_launch_choice():
         k = torch.empty(num_tokens, 128, dtype=dtype)
         return launch.choose_store(k, pool, fmt, w if norm else None, b if norm else None)
 
-    assert choice(1) == launch.StoreLaunch("mxfp4", launch.SMALL_TOKENS_PER_PROGRAM, 1)
+    assert choice(1) == launch.StoreLaunch("mxfp4", launch.SMALL_TOKENS_PER_PROGRAM, 1, moments="raw")
+    assert choice(launch.SMALL_BATCH).moments == "raw" and choice(launch.SMALL_BATCH + 1).moments == "two_pass"
     assert choice(launch.LARGE_BATCH).kernel == "mxfp4_loop"
     assert choice(launch.LARGE_BATCH - 1).kernel == "mxfp4"
     assert choice(launch.LARGE_BATCH, dtype=torch.float16).block_t == launch.LARGE_MXFP4_TOKENS_PER_PROGRAM
@@ -548,6 +600,8 @@ def test_forced_launch_checks_its_preconditions():
         launch.launch_store(k, pool.pages, slots, mxfp4(128), torch.ones(128), torch.zeros(128), 1e-6, launch=loop)
     with pytest.raises(ValueError, match="stores mxfp4"):
         launch.launch_store(k, pool.pages, slots, mxfp4(128), launch=launch.StoreLaunch("fp8", 2, 1))
+    with pytest.raises(ValueError, match="moments"):
+        launch.StoreLaunch("fp8", 2, 1, moments="welford")
     assert bool((pool.raw == SENTINEL).all())
 
 

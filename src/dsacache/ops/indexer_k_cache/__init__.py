@@ -6,7 +6,8 @@
 * Kernels: ``store_fp8.py`` (FP8 store), ``store_mxfp4.py`` (MXFP4 store, one tile of tokens a
   program), ``store_mxfp4_loop.py`` (fused LayerNorm + MXFP4 store of large bf16 batches, a tile
   loop with the LayerNorm moments on the tensor cores), ``gather.py``, ``dequantize.py``;
-  ``codecs.py`` holds the Triton pieces the stores share (scale arithmetic, e4m3/e2m1 encoding).
+  ``codecs.py`` holds the Triton pieces the stores share (scale arithmetic, e4m3/e2m1 encoding, the
+  LayerNorm statistics' rules).
 """
 
 from dsacache.ops.indexer_k_cache.api import (

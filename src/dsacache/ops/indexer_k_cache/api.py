@@ -131,10 +131,10 @@ def fused_norm_store_indexer_keys(k: torch.Tensor, weight: torch.Tensor, bias: t
     ``2**ceil(log2(amax / 6))`` as a UE8M0 byte, e2m1 codes rounded half to even).
     The GPU kernels compute the LayerNorm in fp32 in their own order, so a code may differ
     from the reference's by one step where the normalized value sits within a last bit of a
-    rounding boundary (~1e-7 of them on random keys). Large MXFP4 batches (bf16 keys, from
-    32K tokens) take the mean and variance from tensor-core sums of the bf16 keys (raw
-    moments, ``rsqrt.approx``); a tile where that would cancel (a key with ``mean**2 > 16
-    var``) or meets NaN or inf uses the exact two-pass statistics instead.
+    rounding boundary (~1e-7 of them on random keys). They take the mean and variance from
+    raw moments (sum and sum of squares; on the tensor cores for MXFP4 batches of bf16 keys
+    from 32K tokens) and ``rsqrt.approx``; a program or tile where that would cancel (a key
+    with ``mean**2 > 16 var``) or meets NaN or inf uses the exact two-pass statistics instead.
 
     Args:
         k: ``[num_tokens, head_dim]`` bf16, fp16 or fp32 keys (any strides).

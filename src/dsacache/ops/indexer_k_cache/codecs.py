@@ -1,4 +1,5 @@
-"""Triton pieces of the key codecs that the store kernels share: scale arithmetic, e4m3 and e2m1 encoding.
+"""Triton pieces of the key codecs that the store kernels share: scale arithmetic, e4m3 and e2m1 encoding,
+and the rules of the fused LayerNorm's statistics (raw moments, their guard, the two ``rstd``).
 
 Scales are chosen by the same integer arithmetic on fp32 bits as the reference codecs in
 :mod:`dsacache.formats.indexer_key`, so scales and MXFP4 codes are bit-identical to them.
@@ -68,6 +69,59 @@ def e4m3_encode_int(y):
 def row_sum(x):
     """Per-token sum of pairs ``[G, T, 4, 4]`` -> ``[T]``."""
     return tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=0)
+
+
+@triton.jit
+def _add_pairs(total_a, squares_a, total_b, squares_b):
+    return total_a + total_b, squares_a + squares_b
+
+
+@triton.jit
+def sums_and_squares(x, axis: tl.constexpr):
+    """(sum, sum of squares) of ``x`` along ``axis`` as one reduction: the two are independent, so
+    each step of the warp reduction shuffles both at once instead of one chain after the other."""
+    return tl.reduce((x, x * x), axis, _add_pairs)
+
+
+@triton.jit
+def row_moments(even, odd):
+    """Per-token (sum, sum of squares) of pairs ``[G, T, 4, 4]`` -> two ``[T]``: the in-thread
+    sums, then one reduction over the groups for both (as :func:`sums_and_squares`)."""
+    total = tl.sum(tl.sum(even + odd, axis=3), axis=2)
+    squares = tl.sum(tl.sum(even * even + odd * odd, axis=3), axis=2)
+    return tl.reduce((total, squares), 0, _add_pairs)
+
+
+@triton.jit
+def raw_moment_stats(total, squares, D: tl.constexpr):
+    """LayerNorm statistics from a token's raw moments: ``(mean, var, well)``, ``var = E[x**2] - mean**2``.
+
+    The subtraction loses about ``log2(mean**2 / var)`` bits of the variance to cancellation, so
+    ``well`` (the raw variance may be used) is False past ``mean**2 > 16 var`` (4 bits lost at most)
+    and where the sum of squares is not finite (NaN or inf keys, squares past fp32); there the
+    caller takes the exact two-pass statistics (:func:`exact_rstd` of the centred values).
+    """
+    mean = total * (1.0 / D)
+    var = squares * (1.0 / D) - mean * mean
+    well = (var * 16.0 >= mean * mean) & (squares <= 3.0e38)
+    return mean, var, well
+
+
+@triton.jit
+def rsqrt_approx(x, INTERPRET: tl.constexpr):
+    """``1 / sqrt(x)``: one ``rsqrt.approx`` (relative error under 2**-22.9; without ``.ftz`` a
+    subnormal ``x``, a variance under eps = 0, is scaled into range instead of read as 0)."""
+    if INTERPRET:
+        return 1.0 / tl.sqrt(x)
+    else:
+        return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def exact_rstd(var, eps):
+    """``1 / sqrt(var + eps)`` rounded as the reference computes it (IEEE square root and division)."""
+    return tl.div_rn(1.0, tl.sqrt_rn(var + eps))
 
 
 @triton.jit

@@ -49,6 +49,12 @@ SLOTS_32BIT = 2**31
 
 #: The store kernels a :class:`StoreLaunch` can name.
 STORE_KERNELS = ("fp8", "mxfp4", "mxfp4_loop")
+#: The fused LayerNorm's statistics in the ``fp8`` and ``mxfp4`` kernels (``codecs.py``): "raw" (sum and
+#: sum of squares in one reduction, guarded, ``rsqrt.approx``) or "two_pass" (exact). Raw runs the small
+#: batches: 0.02-0.04 us faster at 1-64 tokens on an H200; its program-wide guard costs barriers in
+#: multi-warp programs (8192 MXFP4 tokens 3.25 -> 4.54 us, 1M FP8 tokens 115 -> 125 us), so larger
+#: batches stay two-pass (docs/benchmarks.md, "Quantize + store indexer keys").
+STORE_MOMENTS = ("raw", "two_pass")
 
 
 @dataclass(frozen=True)
@@ -57,16 +63,19 @@ class StoreLaunch:
     ``num_warps``; ``programs`` is the loop's grid (0: LOOP_PROGRAMS_PER_SM an SM).
 
     ``kernel``: ``"fp8"``; ``"mxfp4"`` (one tile of tokens a program); ``"mxfp4_loop"`` (the fused
-    LayerNorm store of bf16 keys, programs looping over tiles).
+    LayerNorm store of bf16 keys, programs looping over tiles). ``moments``: the LayerNorm
+    statistics of the ``fp8`` and ``mxfp4`` kernels (``STORE_MOMENTS``; the loop has its own).
     """
 
     kernel: str
     block_t: int
     num_warps: int
     programs: int = 0
+    moments: str = "two_pass"
 
     def __post_init__(self) -> None:
         check_launch(self.kernel in STORE_KERNELS, f"kernel {self.kernel!r} in {STORE_KERNELS}")
+        check_launch(self.moments in STORE_MOMENTS, f"moments {self.moments!r} in {STORE_MOMENTS}")
         check_launch(self.block_t >= 1 and self.block_t & (self.block_t - 1) == 0, "block_t a power of two")
 
 
@@ -98,7 +107,7 @@ def choose_store(k: torch.Tensor, pages: torch.Tensor, fmt: IndexerKeyFormat,
     """The store launch for keys ``k [T, D]`` (fused LayerNorm when ``weight`` is given)."""
     num_tokens = k.shape[0]
     if num_tokens <= SMALL_BATCH:
-        return StoreLaunch("mxfp4" if fmt.is_mxfp4 else "fp8", SMALL_TOKENS_PER_PROGRAM, 1)
+        return StoreLaunch("mxfp4" if fmt.is_mxfp4 else "fp8", SMALL_TOKENS_PER_PROGRAM, 1, moments="raw")
     if not fmt.is_mxfp4:
         return StoreLaunch("fp8", _tokens_per_program(num_tokens, triton.next_power_of_2(fmt.head_dim)), STORE_WARPS)
     if num_tokens < LARGE_BATCH:
@@ -141,13 +150,14 @@ def launch_store(k: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tenso
     if launch.kernel == "fp8":
         store_fp8_kernel[grid](
             *args, D=fmt.head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, INTERPRET=interpreting(),
-            BLOCK_T=launch.block_t, BLOCK_D=triton.next_power_of_2(fmt.head_dim), num_warps=launch.num_warps, **pdl)
+            BLOCK_T=launch.block_t, BLOCK_D=triton.next_power_of_2(fmt.head_dim), MOMENTS=launch.moments,
+            num_warps=launch.num_warps, **pdl)
         return
     store_mxfp4_kernel[grid](
         *args, D=fmt.head_dim, PAGE=KERNEL_PAGE_SIZE, NORM=norm, PAIRS=_bf16_pairs(k),
         NORM_PAIRS=_fp32_pairs(weight, bias), INTERPRET=interpreting(), BLOCK_T=launch.block_t,
         BLOCK_G=triton.next_power_of_2(fmt.scale_bytes), EXACT=norm or k.dtype == torch.float32,
-        SLOTS64=num_slots >= SLOTS_32BIT, num_warps=launch.num_warps, **pdl)
+        SLOTS64=num_slots >= SLOTS_32BIT, MOMENTS=launch.moments, num_warps=launch.num_warps, **pdl)
 
 
 def _launch_loop(k, pages, slot_mapping, weight, bias, eps, fmt, launch) -> None:

@@ -1,4 +1,10 @@
-"""FP8 store kernel: keys (LayerNorm first when ``NORM``) -> e4m3 values and one fp32 scale a token."""
+"""FP8 store kernel: keys (LayerNorm first when ``NORM``) -> e4m3 values and one fp32 scale a token.
+
+Small batches (up to 64 tokens) run it as one-warp programs of 2 tokens, where its time is a
+launch plus a chain of dependent steps; the LayerNorm's part of that chain is kept short by
+taking the mean and variance from raw moments (``MOMENTS``, below; larger batches keep the exact
+two passes, ``launch.STORE_MOMENTS``).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,16 @@ import triton
 import triton.language as tl
 
 from dsacache.dispatch import interpreting
-from dsacache.ops.indexer_k_cache.codecs import ceil_pow2_exponent, e4m3_encode_int, finite_abs, pow2
+from dsacache.ops.indexer_k_cache.codecs import (
+    ceil_pow2_exponent,
+    e4m3_encode_int,
+    exact_rstd,
+    finite_abs,
+    pow2,
+    raw_moment_stats,
+    rsqrt_approx,
+    sums_and_squares,
+)
 
 if not interpreting():  # the PDL instructions exist only compiled
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -22,7 +37,17 @@ def store_fp8_kernel(
     D: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,  # launched with PDL: the next kernel may start now; wait for the last one's writes
+    MOMENTS: tl.constexpr = "two_pass",  # LayerNorm statistics (launch.STORE_MOMENTS): "raw" or "two_pass"
 ):
+    # MOMENTS="raw": the sum and the sum of squares come from one reduction (their shuffles
+    # interleave), var = E[x**2] - mean**2 and rsqrt.approx: one reduction and one MUFU op before
+    # the output instead of two reductions and the IEEE sqrt and division of "two_pass". A
+    # program with a token the raw variance cannot serve (codecs.raw_moment_stats: cancellation,
+    # NaN, inf) takes the exact two-pass statistics for all its tokens. Either is applied to the
+    # centred keys, not in the tile loop's shift form (x * rstd - mean * rstd): the subtraction
+    # runs beside the variance's chain instead of adding a step after rsqrt, and x == mean stays
+    # an exact zero (times an infinite weight: NaN, as in the reference), so the raw rule needs no
+    # bound on the LayerNorm parameters (the loop's FINITE).
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -36,15 +61,36 @@ def store_fp8_kernel(
     slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
     if NORM:
-        w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / D
+        if BLOCK_T <= 4:
+            # Weight and bias in the keys' shape (every row reads the same addresses), hence in their
+            # layout: a [BLOCK_D] vector would reach it through shuffles placed after rstd, in the chain.
+            wb_offs = offs_d[None, :] + 0 * offs_t[:, None]
+            w = tl.load(w_ptr + wb_offs, mask=mask_d[None, :], other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + wb_offs, mask=mask_d[None, :], other=0.0).to(tl.float32)
+        else:
+            # A copy a row would cost registers (72 -> 96 a thread at 16 tokens); large programs are not
+            # latency-bound.
+            w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        if MOMENTS == "raw":
+            total, squares = sums_and_squares(x, 1)          # masked elements load as 0: no effect
+            mean, var, well = raw_moment_stats(total, squares, D)
+            # Issued before the guard's verdict, so the program-wide test runs beside it.
+            rstd = rsqrt_approx(var + eps, INTERPRET)
+        else:
+            mean = tl.sum(x, axis=1) / D
         centered = x - mean[:, None]
         if D != BLOCK_D:
             centered = tl.where(mask_d[None, :], centered, 0.0)
-        var = tl.sum(centered * centered, axis=1) / D
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-        x = centered * rstd[:, None] * w[None, :] + b[None, :]
+        if MOMENTS == "raw":
+            if tl.min(well.to(tl.int32), axis=0) == 0:
+                rstd = exact_rstd(tl.sum(centered * centered, axis=1) / D, eps)
+        else:
+            rstd = exact_rstd(tl.sum(centered * centered, axis=1) / D, eps)
+        if BLOCK_T > 4:
+            w = w[None, :]
+            b = b[None, :]
+        x = centered * rstd[:, None] * w + b
     amax = tl.maximum(tl.max(finite_abs(x, INTERPRET), axis=1), 1e-4)
     # 448 = 1.75 * 2**8: mantissa limit 0x600000, shift 8.
     exp = ceil_pow2_exponent(amax, 0x600000, 8)

@@ -1,8 +1,11 @@
 """MXFP4 store kernel, one tile of tokens a program: keys (LayerNorm first when ``NORM``) -> packed
 e2m1 values and one UE8M0 scale byte a 32-value group.
 
-The fused LayerNorm store of large bf16 batches runs the tile loop of ``store_mxfp4_loop.py``
-instead; ``launch.py`` picks.
+Small batches (up to 64 tokens) run it as one-warp programs of 2 tokens, where its time is a
+launch plus a chain of dependent steps; the LayerNorm's part of that chain is kept short by
+taking the mean and variance from raw moments (``MOMENTS``, as in ``store_fp8.py``). The fused
+LayerNorm store of large bf16 batches runs the tile loop of ``store_mxfp4_loop.py`` instead;
+``launch.py`` picks.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ from dsacache.ops.indexer_k_cache.codecs import (
     bf16_pair_halves,
     clamped_magnitude,
     e2m1_code_bits,
+    exact_rstd,
     load_pair_halves,
     mxfp4_norm_codes,
     mxfp4_scale,
     pack_e2m1_words,
     page_and_row32,
+    raw_moment_stats,
+    row_moments,
     row_sum,
+    rsqrt_approx,
 )
 
 if not interpreting():  # the PDL instructions exist only compiled
@@ -38,12 +45,14 @@ def store_mxfp4_kernel(
     INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, EXACT: tl.constexpr,
     SLOTS64: tl.constexpr,
     PDL: tl.constexpr = False,  # launched with PDL: the next kernel may start now; wait for the last one's writes
+    MOMENTS: tl.constexpr = "two_pass",  # LayerNorm statistics (launch.STORE_MOMENTS): "raw" or "two_pass"
 ):
     # Pairs [BLOCK_G, BLOCK_T, 4, 4] (codecs.py): l is one 16-byte vector and the load layout
     # spreads lanes over g, then t, so j is a register repeat: one thread owns whole 32-value
     # groups (no shuffles for the group max), both nibbles of each byte (no split), and the
     # 4 bytes of l pack into one 32-bit word.
     # SLOTS64: a pool of 2**31 slots or more; page and row then take 64-bit math.
+    # MOMENTS: the LayerNorm statistics, as in store_fp8_kernel.
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -75,14 +84,24 @@ def store_mxfp4_kernel(
         if BLOCK_T <= 16:
             w_even, w_odd = load_pair_halves(w_ptr, wb_pair, mask_g4, NORM_PAIRS)
             b_even, b_odd = load_pair_halves(b_ptr, wb_pair, mask_g4, NORM_PAIRS)
-        mean = (row_sum(even + odd) / D)[None, :, None, None]
-        even = even - mean
-        odd = odd - mean
+        if MOMENTS == "raw":
+            total, squares = row_moments(even, odd)          # masked pairs load as 0: no effect
+            mean, var, well = raw_moment_stats(total, squares, D)
+            # Issued before the guard's verdict, so the program-wide test runs beside it.
+            rstd = rsqrt_approx(var + eps, INTERPRET)
+        else:
+            mean = row_sum(even + odd) / D
+        even = even - mean[None, :, None, None]
+        odd = odd - mean[None, :, None, None]
         if D != BLOCK_G * 32:
             even = tl.where(mask_g4, even, 0.0)
             odd = tl.where(mask_g4, odd, 0.0)
-        var = row_sum(even * even + odd * odd) / D
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))[None, :, None, None]
+        if MOMENTS == "raw":
+            if tl.min(well.to(tl.int32), axis=0) == 0:
+                rstd = exact_rstd(row_sum(even * even + odd * odd) / D, eps)
+        else:
+            rstd = exact_rstd(row_sum(even * even + odd * odd) / D, eps)
+        rstd = rstd[None, :, None, None]
         if BLOCK_T > 16:
             w_even, w_odd = load_pair_halves(w_ptr, wb_pair, mask_g4, NORM_PAIRS)
             b_even, b_odd = load_pair_halves(b_ptr, wb_pair, mask_g4, NORM_PAIRS)

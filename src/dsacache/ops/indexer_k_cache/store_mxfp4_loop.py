@@ -18,11 +18,15 @@ import triton.language as tl
 
 from dsacache.ops.indexer_k_cache.codecs import (
     bf16_pair_halves,
+    exact_rstd,
     load_pair_halves,
     mxfp4_norm_codes,
     pack_e2m1_words,
     page_and_row32,
+    raw_moment_stats,
+    row_moments,
     row_sum,
+    rsqrt_approx,
 )
 from dsacache.ops.triton_utils import loop_bound
 
@@ -70,8 +74,7 @@ def _two_pass_tile(
     mean = (row_sum(even + odd) / D)[None, :, None, None]
     even = even - mean
     odd = odd - mean
-    var = row_sum(even * even + odd * odd) / D
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))[None, :, None, None]
+    rstd = exact_rstd(row_sum(even * even + odd * odd) / D, eps)[None, :, None, None]
     even = even * rstd * w_even + b_even
     odd = odd * rstd * w_odd + b_odd
     _encode_store_tile(even, odd, slot, pages_ptr, num_slots, page_stride, D, PAGE, INTERPRET, FINITE)
@@ -141,8 +144,8 @@ def _row_moments(bits, INTERPRET: tl.constexpr):
     """Keys as bf16 pairs ``[G, T, 4, 4]`` -> (sum, sum of squares) of each token's D values,
     ``[G, T]`` on the GPU (equal over G) and ``[1, T]`` in the interpreter."""
     if INTERPRET:
-        even, odd = bf16_pair_halves(bits)
-        return row_sum(even + odd)[None, :], row_sum(even * even + odd * odd)[None, :]
+        total, squares = row_moments(*bf16_pair_halves(bits))
+        return total[None, :], squares[None, :]
     else:
         a, b, c, d = _split4(tl.reshape(bits, (bits.shape[0], bits.shape[1], 16)))   # words 0, 2, 1, 3 mod 4
         a0, a1, a2, a3 = _split4(a, True)          # words 0, 8, 4, 12
@@ -156,32 +159,21 @@ def _row_moments(bits, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _rsqrt(x, INTERPRET: tl.constexpr):
-    """``1 / sqrt(x)`` for normal ``x``: one ``rsqrt.approx`` (relative error under 2**-22.9)."""
-    if INTERPRET:
-        return 1.0 / tl.sqrt(x)
-    else:
-        return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
 def _moments_tile(
     bits, slot, pages_ptr, num_slots, page_stride, eps, w_even, w_odd, b_even, b_odd,
     D: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """:func:`_two_pass_tile` with the variance from raw moments taken on the tensor cores
-    (``var = E[x**2] - mean**2``) and ``y = (x * rstd - mean * rstd) * w + b``: two FMAs an element
-    for the whole LayerNorm instead of five. The raw moments lose about ``log2(mean**2 / var)``
-    bits of the variance to cancellation, so a tile with a token past ``mean**2 > 16 var`` (or
-    a sum of squares that is not finite) takes the two-pass tile instead. Only for LayerNorm
-    parameters that keep every output finite (the loop's ``FINITE`` copy)."""
+    (``var = E[x**2] - mean**2``, ``rsqrt.approx``) and ``y = (x * rstd - mean * rstd) * w + b``:
+    two FMAs an element for the whole LayerNorm instead of five. A tile with a token the raw
+    moments cannot serve (``codecs.raw_moment_stats``: cancellation, NaN, inf) takes the two-pass
+    tile instead. Only for LayerNorm parameters that keep every output finite (the loop's
+    ``FINITE`` copy): its encoder has no inf guards, and the shift form leaves a rounding residue
+    where ``x == mean``, which an infinite weight would turn into inf instead of the reference's NaN."""
     total, squares = _row_moments(bits, INTERPRET)
-    mean = total * (1.0 / D)
-    var = squares * (1.0 / D) - mean * mean
-    well = (var * 16.0 >= mean * mean) & (squares <= 3.0e38)
+    mean, var, well = raw_moment_stats(total, squares, D)
     if tl.min(well.to(tl.int32)) == 1:
-        rstd = _rsqrt(var + eps, INTERPRET)
+        rstd = rsqrt_approx(var + eps, INTERPRET)
         shift = (-mean * rstd)[:, :, None, None]
         rstd = rstd[:, :, None, None]
         even, odd = bf16_pair_halves(bits)
