@@ -241,7 +241,8 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
         cut_f = _key_to_float(cut)
         col0 = lo[:, None] + gl.arange(0, TILE, layout=gl.SliceLayout(0, FL))[None, :]
         hi_b = hi[:, None]
-        counter = tie_keys + SCRATCH + gl.zeros([W, TILE], gl.int32, FL)  # the scratch slot after the candidates
+        # The scratch slot after the candidates counts them; a warp takes its tile's slots with one atomic.
+        counter = tie_keys + SCRATCH + gl.zeros_like(count)
         gl.store(tie_keys + SCRATCH, 0)
         gl.thread_barrier()  # the zeroed counter before any warp takes a slot
         above = gl.zeros_like(count)
@@ -254,7 +255,10 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
             above += gl.sum((kept & (bin_ > chosen)).to(gl.int32), axis=1)
             in_chosen += gl.sum(tie.to(gl.int32), axis=1)
             tie = tie & (left != in_bin)
-            slot = gl.atomic_add(counter, tie.to(gl.int32), mask=tie, sem="relaxed")
+            t = tie.to(gl.int32)
+            ties_w = gl.sum(t, axis=1)
+            base = gl.atomic_add(counter, ties_w, mask=ties_w > 0, sem="relaxed")
+            slot = base[:, None] + gl.associative_scan(t, 1, _add) - t
             gl.store(tie_keys + slot, dist.to(gl.int32, bitcast=True), mask=tie)
             gl.store(tie_pos + slot, col - start, mask=tie)
             col += TILE
