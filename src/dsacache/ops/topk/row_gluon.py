@@ -37,7 +37,7 @@ from dsacache.ops.topk.cutoff import bit_length, float_cut
 from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
 from dsacache.ops.topk.select_gluon import _add, _candidate_bin, _candidate_bin_cut, _gdc_launch_dependents, \
     _gdc_wait, _histogram_cut, _long_row, _row_window, _taken, _tie_cut, _tie_cut_keeps, ballot_select, \
-    radix_narrow
+    chosen_bin_prefix, radix_digits, radix_narrow
 
 
 # The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
@@ -183,9 +183,7 @@ def _narrow_scratch(tie_keys, tie_pos, in_bin, left, chosen, shift, n, BINS: gl.
     j = gl.arange(0, SCRATCH, layout=FLAT)
     live = j < in_bin
     dist = gl.load(tie_keys + j, mask=live, other=0).to(gl.uint32, bitcast=True)
-    last = chosen == BINS - 1  # the last bin is open: all 32 bits of its distances vary
-    top = gl.where(last, 32, shift)
-    prefix = gl.where(last, 0, chosen << shift).to(gl.uint32)
+    prefix, top = chosen_bin_prefix(chosen, shift, BINS)
     cut_d, ties, whole = radix_narrow(dist, live, in_bin, left, prefix, top, 0, BITS, PASSES, RL)
     cut_p = in_bin * 0 + 0x7FFFFFFF  # whole: every candidate at or above cut_d
     if not whole:
@@ -324,16 +322,13 @@ def _select_whole_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, row_stride, wid
     for _ in range((32 + BITS - 1) // BITS):  # a runtime loop: one copy of the pass in the code
         if not done:
             shift = gl.maximum(top - BITS, 0)
-            high = ((0xFFFFFFFF << top.to(gl.int64)) & 0xFFFFFFFF).to(gl.uint32)
             hist = gl.zeros([BINS], gl.int32, RL)
             col = start + lanes
             x = gl.load(row_ptr + col, mask=col < end, other=0.0)
             for _ in range(blocks):
                 nxt = col + BLOCK
                 x_next = gl.load(row_ptr + nxt, mask=nxt < end, other=0.0)
-                key = _sortable_key(x)
-                match = (col < end) & (((key ^ prefix) & high) == 0)
-                digit = ((key >> shift.to(gl.uint32)) & (BINS - 1)).to(gl.int32)
+                match, digit = radix_digits(_sortable_key(x), col < end, prefix, top, shift, BITS)
                 hist += gl.histogram(digit, BINS, mask=match, layout=RL)
                 col = nxt
                 x = x_next

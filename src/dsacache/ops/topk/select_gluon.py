@@ -140,6 +140,23 @@ def _tie_cut(tie_keys, tie_pos, in_bin, left, TIES: gl.constexpr, num_warps: gl.
 
 
 @gluon.jit
+def radix_digits(keys, mask, prefix, top, shift, BITS: gl.constexpr):
+    """One radix pass: which keys under ``mask`` share ``prefix``'s bits at and above ``top``, and
+    each key's BITS-bit digit at ``shift`` (as int32 bins)."""
+    high = ((0xFFFFFFFF << top.to(gl.int64)) & 0xFFFFFFFF).to(gl.uint32)
+    match = mask & (((keys ^ prefix) & high) == 0)
+    return match, ((keys >> shift.to(gl.uint32)) & ((1 << BITS) - 1)).to(gl.int32)
+
+
+@gluon.jit
+def chosen_bin_prefix(chosen, shift, BINS: gl.constexpr):
+    """(prefix, top) of the distances in candidate histogram bin ``chosen`` (bins of ``dist >> shift``):
+    they share the bits from ``shift`` up, except in the last bin, which is open."""
+    last = chosen == BINS - 1
+    return gl.where(last, 0, chosen << shift).to(gl.uint32), gl.where(last, 32, shift)
+
+
+@gluon.jit
 def radix_narrow(keys, mask, count, need, prefix, top, slack, BITS: gl.constexpr, PASSES: gl.constexpr,
                  layout: gl.constexpr):
     """Narrow down to the ``need``-th largest of the uint32 ``keys`` (1-D) under ``mask``: the rule
@@ -154,9 +171,7 @@ def radix_narrow(keys, mask, count, need, prefix, top, slack, BITS: gl.constexpr
     for _ in range(PASSES):  # a runtime loop: one copy of the pass in the code
         if not done:
             shift = gl.maximum(top - BITS, 0)
-            high = ((0xFFFFFFFF << top.to(gl.int64)) & 0xFFFFFFFF).to(gl.uint32)
-            match = mask & (((keys ^ prefix) & high) == 0)
-            digit = ((keys >> shift.to(gl.uint32)) & (BINS - 1)).to(gl.int32)
+            match, digit = radix_digits(keys, mask, prefix, top, shift, BITS)
             hist = gl.histogram(digit, BINS, mask=match, layout=layout)
             chosen, need, in_bin = _histogram_cut(hist, need, layout)
             prefix = prefix | (chosen.to(gl.uint32) << shift.to(gl.uint32))
@@ -183,9 +198,7 @@ def _narrow_chosen_bin(seg_row, counts_row, cut, shift, chosen, left, in_bin, PR
     valid = slot < gl.load(counts_row + seg_of)
     dist = pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut
     in_chosen = valid & (_candidate_bin(dist, shift, BINS) == chosen)
-    last = chosen == BINS - 1  # the last bin is open: all 32 bits of its distances vary
-    top = gl.where(last, 32, shift)
-    prefix = gl.where(last, 0, chosen << shift).to(gl.uint32)
+    prefix, top = chosen_bin_prefix(chosen, shift, BINS)
     return radix_narrow(dist, in_chosen, in_bin, left, prefix, top, 0, BITS, (32 + BITS - 1) // BITS, RL)
 
 
