@@ -614,13 +614,15 @@ def test_gluon_kernels_select_the_rows_the_common_path_cannot(width, first):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, length, pdl, first", [(3, 20_000, True, "row"), (64, 131_072, True, "gluon"),
                                                       (256, 32_768, True, "row"), (64, 32_768, False, "row"),
-                                                      (5, 8_192, True, "row"), (7, 40_000, False, "gluon")])
+                                                      (5, 8_192, True, "row"), (7, 40_000, False, "gluon"),
+                                                      (160, 131_072, True, "gluon"), (512, 32_768, True, "row")])
 def test_gluon_kernels_match_reference(rows, length, pdl, first):
     """The Hopper kernels (the row kernel: cut-off, filter and ballot select in one launch, up
     to ``row_max_len``; the ballot select after the Triton filter for wider logits) on the rows
     they take (random rows, ties inside the chosen bin) write the reference's output element
     for element. The rows the sampled steps cannot take (heavy ties, a sorted row, short rows)
-    are finished by the row kernel itself, or by the Triton select after the ballot select."""
+    are finished by the row kernel itself, or by the Triton select after the ballot select.
+    The last two shapes are logits larger than L2, whose filter loads are marked evict-first."""
     from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
 
     if torch.cuda.get_device_capability()[0] < 9:

@@ -44,6 +44,7 @@ def topk_filter_kernel(
     TILE_ASM: tl.constexpr = False,  # see _filter_warp; needs ALIGNED
     TILE_PTX: tl.constexpr = "", TILE_REGS: tl.constexpr = "",  # with TILE_ASM: filter_tile_ptx(V), filter_tile_regs(V)
     AHEAD: tl.constexpr = 1,  # tiles loaded ahead of the one scanned (1 or 2)
+    EVICT: tl.constexpr = "",  # L2 eviction policy of the logits loads ("" or "evict_first")
 ):
     """PROGS one-warp programs a long row: candidates at or above the row's cut-off.
 
@@ -66,7 +67,7 @@ def topk_filter_kernel(
             row_ptr = logits_ptr + row.to(tl.int64) * row_stride
         count = _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr + row, shift_ptr + row,
                              hist_ptr + row.to(tl.int64) * BINS, seg, SEG_CAP, BINS, V, USE_ASM, PDL,
-                             TILE_ASM and ALIGNED, TILE_PTX, TILE_REGS, AHEAD)
+                             TILE_ASM and ALIGNED, TILE_PTX, TILE_REGS, AHEAD, EVICT)
         if PDL:
             gdc_launch_dependents()
         tl.store(counts_ptr + row * PROGS + prog, count)
@@ -88,7 +89,7 @@ def filter_slice(start, n, prog, PROGS: tl.constexpr, TILE: tl.constexpr):
 def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, seg,
                  SEG_CAP: tl.constexpr, BINS: tl.constexpr, V: tl.constexpr, USE_ASM: tl.constexpr,
                  PDL: tl.constexpr, TILE_ASM: tl.constexpr = False, TILE_PTX: tl.constexpr = "",
-                 TILE_REGS: tl.constexpr = "", AHEAD: tl.constexpr = 1):
+                 TILE_REGS: tl.constexpr = "", AHEAD: tl.constexpr = 1, EVICT: tl.constexpr = ""):
     """One warp's candidates of columns [lo, hi) (``hi_load >= hi`` bounds the loads, a multiple
     of 4 when ``lo`` is, so they vectorize): (key, position - start) pairs of each key >= cut,
     in order, into the segment ``seg`` (at most SEG_CAP pairs), each counted into the row's
@@ -109,9 +110,9 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
     count = tl.zeros([], tl.int32)
     counts = tl.zeros([TILE], tl.int32)  # TILE_ASM: the running count, the same in every lane
     col = lo + lanes
-    x = tl.load(row_ptr + col, mask=col < hi_load, other=0.0)
+    x = tl.load(row_ptr + col, mask=col < hi_load, other=0.0, eviction_policy=EVICT)
     if AHEAD == 2:
-        x_ahead = tl.load(row_ptr + col + TILE, mask=col + TILE < hi_load, other=0.0)
+        x_ahead = tl.load(row_ptr + col + TILE, mask=col + TILE < hi_load, other=0.0, eviction_policy=EVICT)
     if PDL:
         gdc_wait()
     cut = tl.load(cut_ptr).to(tl.uint32, bitcast=True)
@@ -121,9 +122,10 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
         nxt = col + TILE
         if AHEAD == 2:
             x_next = x_ahead
-            x_ahead = tl.load(row_ptr + nxt + TILE, mask=nxt + TILE < hi_load, other=0.0)
+            x_ahead = tl.load(row_ptr + nxt + TILE, mask=nxt + TILE < hi_load, other=0.0,
+                              eviction_policy=EVICT)
         else:
-            x_next = tl.load(row_ptr + nxt, mask=nxt < hi_load, other=0.0)
+            x_next = tl.load(row_ptr + nxt, mask=nxt < hi_load, other=0.0, eviction_policy=EVICT)
         pos = col - start
         if TILE_ASM:
             counts = _filter_tile_asm(TILE_PTX, TILE_REGS, x, pos, counts, cut_f, span, cut, shift, seg, hist_row,

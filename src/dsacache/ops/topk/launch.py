@@ -120,6 +120,9 @@ class _Plan:
     vec: int
     ahead: int
     select_warps: int
+    #: L2 eviction policy of the filter's logits loads: "evict_first" for logits larger than L2, which
+    #: every row reads once, so the candidate segments and histograms the select reads stay in L2
+    evict: str
     #: what runs before the Triton select: "row" (the Hopper row kernel), "gluon" (the Triton
     #: cut-off and filter, then the Gluon ballot select) or "triton" (the Triton cut-off and filter)
     first: str
@@ -162,7 +165,8 @@ def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int) -> _Plan:
     else:
         first = "triton"
     return _Plan(cap=cap, progs=progs, load=load, vec=vec, ahead=cfg.ahead or (2 if streamed else 1),
-                 select_warps=cfg.select_warps or (8 if rows <= num_sms else 16), first=first)
+                 select_warps=cfg.select_warps or (8 if rows <= num_sms else 16),
+                 evict="evict_first" if streamed else "", first=first)
 
 
 def _gluon_allowed(cfg: TopkConfig, logits: torch.Tensor) -> bool:
@@ -240,7 +244,7 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
                                  SAMPLES=cfg.samples, SAMPLE_RUN=cfg.sample_run, SAMPLE_BITS=cfg.sample_bits,
                                  SEG=cap // progs, LOAD=plan.load, CAP=cap, BINS=cfg.bins, TIES=cfg.ties, V=vec,
                                  TILE_PTX=filter_tile_ptx(vec), TILE_REGS=filter_tile_regs(vec), AHEAD=plan.ahead,
-                                 HAS_STARTS=window["HAS_STARTS"], num_warps=progs, **pdl,
+                                 HAS_STARTS=window["HAS_STARTS"], EVICT=plan.evict, num_warps=progs, **pdl,
                                  **({"maxnreg": cfg.row_maxnreg} if cfg.row_maxnreg else {}))
         return
     _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, window, pdl, common)
@@ -277,7 +281,8 @@ def _launch_cutoff_and_filter(cfg: TopkConfig, plan: _Plan, logits: torch.Tensor
         tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec), "TILE_REGS": filter_tile_regs(vec)}
     topk_filter_kernel[(plan.progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, stride, **window,
                                            SEG_CAP=plan.cap // plan.progs, V=vec, ALIGNED=_aligned(logits),
-                                           USE_ASM=PTX_AVAILABLE, AHEAD=plan.ahead, num_warps=1, **tile, **pdl,
+                                           USE_ASM=PTX_AVAILABLE, AHEAD=plan.ahead, EVICT=plan.evict, num_warps=1,
+                                           **tile, **pdl,
                                            **common)
 
 

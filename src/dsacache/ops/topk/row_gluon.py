@@ -81,7 +81,8 @@ def _cutoff(row_ptr, start, n, K: gl.constexpr, SAMPLES: gl.constexpr, SAMPLE_RU
 
 @gluon.jit
 def _filter(row_ptr, x, col, start, hi, limit, tiles, cut, shift, seg, hist_row, TILE_PTX: gl.constexpr,
-            TILE_REGS: gl.constexpr, V: gl.constexpr, SEG: gl.constexpr, BINS: gl.constexpr, AHEAD: gl.constexpr):
+            TILE_REGS: gl.constexpr, V: gl.constexpr, SEG: gl.constexpr, BINS: gl.constexpr, AHEAD: gl.constexpr,
+            EVICT: gl.constexpr = ""):
     """Step 2: each warp's candidates of its slice (up to ``hi``, ``tiles`` tiles) into its
     segment ``seg``; ``x`` is the first tile (columns ``col``), already loaded; ``limit``
     bounds the loads. Returns the candidates a warp found ([W], may exceed SEG)."""
@@ -99,14 +100,14 @@ def _filter(row_ptr, x, col, start, hi, limit, tiles, cut, shift, seg, hist_row,
     last = zero + (BINS - 1)
     counts = zero
     if AHEAD == 2:
-        x_ahead = gl.load(row_ptr + col + TILE, mask=col + TILE < limit, other=0.0)
+        x_ahead = gl.load(row_ptr + col + TILE, mask=col + TILE < limit, other=0.0, eviction_policy=EVICT)
     for _ in range(tiles):
         nxt = col + TILE
         if AHEAD == 2:
             x_next = x_ahead
-            x_ahead = gl.load(row_ptr + nxt + TILE, mask=nxt + TILE < limit, other=0.0)
+            x_ahead = gl.load(row_ptr + nxt + TILE, mask=nxt + TILE < limit, other=0.0, eviction_policy=EVICT)
         else:
-            x_next = gl.load(row_ptr + nxt, mask=nxt < limit, other=0.0)
+            x_next = gl.load(row_ptr + nxt, mask=nxt < limit, other=0.0, eviction_policy=EVICT)
         counts = gl.inline_asm_elementwise(
             TILE_PTX, TILE_REGS,
             [x.to(gl.int32, bitcast=True), col - start, counts, cut_f, span, cut_k, shift_b, seg_b, hist_b, cap, last],
@@ -380,6 +381,7 @@ def topk_row_kernel(
     SEG: gl.constexpr, LOAD: gl.constexpr, CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr,
     V: gl.constexpr, TILE_PTX: gl.constexpr, TILE_REGS: gl.constexpr, AHEAD: gl.constexpr,
     HAS_STARTS: gl.constexpr, PDL: gl.constexpr,
+    EVICT: gl.constexpr = "",  # L2 eviction policy of the filter's logits loads (launch._Plan.evict)
 ):
     W: gl.constexpr = gl.num_warps()
     TILE: gl.constexpr = 32 * V
@@ -401,7 +403,8 @@ def topk_row_kernel(
         first, chunk, lo, hi, limit = _warp_slices(start, n, TILE, FL)
         warp = gl.arange(0, W, layout=gl.SliceLayout(1, FL))
         col = lo[:, None] + gl.arange(0, TILE, layout=gl.SliceLayout(0, FL))[None, :]
-        x = gl.load(row_ptr + col, mask=col < limit, other=0.0)  # in flight while the cut-off is found
+        # in flight while the cut-off is found
+        x = gl.load(row_ptr + col, mask=col < limit, other=0.0, eviction_policy=EVICT)
 
         hist_row = hist_ptr + row.to(gl.int64) * BINS
         gl.store(hist_row + gl.arange(0, BINS, layout=HL), gl.zeros([BINS], gl.int32, HL))
@@ -412,7 +415,7 @@ def topk_row_kernel(
 
         seg_row = seg_ptr + row.to(gl.int64) * (W * SEG)
         count = _filter(row_ptr, x, col, start, hi, limit, chunk // TILE, cut, shift, seg_row + warp * SEG, hist_row,
-                        TILE_PTX, TILE_REGS, V, SEG, BINS, AHEAD)
+                        TILE_PTX, TILE_REGS, V, SEG, BINS, AHEAD, EVICT)
         gl.store(counts_ptr + row * W + warp, count)
         gl.thread_barrier()  # every warp's candidates, counts and histogram counts before the select
 
