@@ -540,14 +540,15 @@ def test_row_kernel_keeps_skewed_rows(width, with_starts):
     slice, a ramp with exact ties at the cut-off) give those warps more candidates than the ballot
     select loads a segment (at 32K more than a segment holds), so only the rescan
     (``_rescan_select``) or the radix passes over the row can take them: every row equals the
-    reference, on repeated launches."""
+    reference, on repeated launches. The last row is skewed with heavy ties: its second half holds
+    7 values, so the rescan cuts a chosen bin of hundreds to thousands of equal candidates."""
     from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the Gluon row kernel runs on Hopper and newer")
     k = 2048
     gen = torch.Generator(device="cuda").manual_seed(width)
-    logits = torch.randn(8, width, device="cuda", generator=gen)
+    logits = torch.randn(9, width, device="cuda", generator=gen)
     logits[0] = logits[0].sort().values                                      # ascending: the last slices
     logits[1] = logits[1].sort(descending=True).values                       # descending: the first slices
     logits[2] += torch.linspace(0, 6, width, device="cuda")                  # a steep ramp
@@ -555,18 +556,19 @@ def test_row_kernel_keeps_skewed_rows(width, with_starts):
     logits[4, width // 3:width // 3 + 2500] += 4.0                           # one hot stretch
     logits[5] = (logits[5] + torch.linspace(0, 6, width, device="cuda")).mul(8).round()  # ramp with exact ties
     logits[6] = torch.arange(width, device="cuda").float()                  # distinct and sorted
+    logits[8, width // 2:] = torch.randint(20, 27, (width - width // 2,), device="cuda", generator=gen).float()
     if with_starts:
-        starts = torch.randint(0, width // 8, (8,), device="cuda", generator=gen, dtype=torch.int32)
+        starts = torch.randint(0, width // 8, (9,), device="cuda", generator=gen, dtype=torch.int32)
         starts[0] = 3
         lens = (width - starts).to(torch.int32)
         lens[7] = width // 2  # a random window ending mid-row
     else:
         starts = None
-        lens = torch.full((8,), width, dtype=torch.int32, device="cuda")
+        lens = torch.full((9,), width, dtype=torch.int32, device="cuda")
     assert select_kernel(logits, k) == "row"
     ref = run_topk("torch", logits, lens, k, row_starts=starts)
     for _ in range(2):
-        out = torch.full((8, k), -7, dtype=torch.int32, device="cuda")
+        out = torch.full((9, k), -7, dtype=torch.int32, device="cuda")
         launch_topk(logits, lens, starts, out)
         assert torch.equal(out, ref)
 

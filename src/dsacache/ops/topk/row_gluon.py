@@ -33,11 +33,11 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dsacache.ops.topk.cutoff import bit_length, float_cut
+from dsacache.ops.topk.cutoff import float_cut
 from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
-from dsacache.ops.topk.select_gluon import _add, _candidate_bin, _candidate_bin_cut, _gdc_launch_dependents, \
-    _gdc_wait, _histogram_cut, _long_row, _row_window, _taken, _tie_cut, _tie_cut_keeps, ballot_select, \
-    chosen_bin_prefix, radix_digits, radix_narrow
+from dsacache.ops.topk.select_gluon import _add, _bit_length, _candidate_bin, _candidate_bin_cut, \
+    _gdc_launch_dependents, _gdc_wait, _histogram_cut, _long_row, _row_window, _taken, _tie_cut, _tie_cut_keeps, \
+    ballot_select, chosen_bin_prefix, radix_digits, radix_narrow
 
 
 # The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
@@ -45,7 +45,6 @@ from dsacache.ops.topk.select_gluon import _add, _candidate_bin, _candidate_bin_
 _sortable_key = gluon.jit(sortable_key.fn)
 _sortable_key_not_nan = gluon.jit(sortable_key_not_nan.fn)
 _key_to_float = gluon.jit(key_to_float.fn)
-_bit_length = gluon.jit(bit_length.fn)
 _float_cut = gluon.jit(float_cut.fn)
 
 
@@ -156,17 +155,21 @@ def _tie_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, ch
     return gl.convert_layout(per, gl.SliceLayout(1, FL))
 
 
-@gluon.jit
-def _slice_takes(row_ptr, col, start, hi_b, limit, tiles, cut_f, cut, shift, chosen, cut_d, cut_p,
-                 BINS: gl.constexpr, TILE: gl.constexpr):
-    """Each warp's takes ([W]) in its slice (tiles from columns ``col``), by the rule ``_taken``."""
-    takes = gl.sum(gl.zeros_like(col), axis=1)
-    for _ in range(tiles):
-        x = gl.load(row_ptr + col, mask=col < limit, other=0.0)
-        dist, bin_, kept = _tile_bins(x, col, start, hi_b, cut_f, cut, shift, BINS)
-        takes += gl.sum((kept & _taken(bin_, dist, col - start, chosen, cut_d, cut_p)).to(gl.int32), axis=1)
-        col += TILE
-    return takes
+@gluon.jit(noinline=True)
+def _scratch_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, chunk, SCRATCH: gl.constexpr,
+                           FL: gl.constexpr):
+    """``_tie_takes_by_warp`` for a chosen bin of up to SCRATCH candidates: a W-bin histogram of
+    the slices holding the kept ones, [W] in the filter layout's warp slice."""
+    W: gl.constexpr = gl.num_warps()
+    FLAT: gl.constexpr = gl.BlockedLayout([SCRATCH // (32 * W)], [32], [W], [0])
+    WL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    j = gl.arange(0, SCRATCH, layout=FLAT)
+    live = j < in_bin
+    d = gl.load(tie_keys + j, mask=live, other=0).to(gl.uint32, bitcast=True)
+    p = gl.load(tie_pos + j, mask=live, other=0)
+    taken = live & _tie_cut_keeps(d, p, cut_d, cut_p)
+    per = gl.histogram((p + start - first) // chunk, W, mask=taken, layout=WL)
+    return gl.convert_layout(per, gl.SliceLayout(1, FL))
 
 
 @gluon.jit(noinline=True)
@@ -185,7 +188,7 @@ def _narrow_scratch(tie_keys, tie_pos, in_bin, left, chosen, shift, n, BINS: gl.
     live = j < in_bin
     dist = gl.load(tie_keys + j, mask=live, other=0).to(gl.uint32, bitcast=True)
     prefix, top = chosen_bin_prefix(chosen, shift, BINS)
-    cut_d, ties, whole = radix_narrow(dist, live, in_bin, left, prefix, top, 0, BITS, PASSES, RL)
+    cut_d, ties, whole = radix_narrow(dist, live, in_bin, left, prefix, top, 0, BITS, PASSES, RL, True)
     cut_p = in_bin * 0 + 0x7FFFFFFF  # whole: every candidate at or above cut_d
     if not whole:
         equal = live & (dist == cut_d)
@@ -211,9 +214,9 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
     The histogram and the counts are complete whatever the segments held, so the chosen bin
     is known; each warp then scans its slice twice more (from L2): once counting its takes
     (the chosen bin's candidates, when only some are taken, compacted into the tie scratch
-    and cut as in the ballot select, or, past TIES candidates, by ``_narrow_scratch`` and one
-    more scan counting each warp's takes), once writing them, in position order, after the
-    takes of the warps before it. It refuses a row with fewer than k candidates or a chosen
+    and cut as in the ballot select, or, past TIES candidates, by ``_narrow_scratch``, each
+    warp's takes of them counted in the scratch), once writing them, in position order, after
+    the takes of the warps before it. It refuses a row with fewer than k candidates or a chosen
     bin of more than SCRATCH to cut, and any row whose takes do not add up to k."""
     W: gl.constexpr = gl.num_warps()
     TILE: gl.constexpr = 32 * V
@@ -270,10 +273,10 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
                 cut_d, cut_p = _tie_cut(tie_keys, tie_pos, in_bin, left, TIES, W)
                 takes = above + _tie_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, chunk, TIES,
                                                    FL)
-            else:  # heavy ties: radix passes over the scratch, then the takes counted by one more scan
+            else:  # heavy ties: radix passes over the scratch, then each slice's takes counted there
                 cut_d, cut_p = _narrow_scratch(tie_keys, tie_pos, in_bin, left, chosen, shift, n, BINS, BITS, SCRATCH)
-                takes = _slice_takes(row_ptr, col0, start, hi_b, limit, tiles, cut_f, cut, shift, chosen, cut_d, cut_p,
-                                     BINS, TILE)
+                takes = above + _scratch_takes_by_warp(tie_keys, tie_pos, in_bin, cut_d, cut_p, start, first, chunk,
+                                                       SCRATCH, FL)
         if gl.sum(takes, axis=0) == want:
             WL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])  # all W counts in each thread: a scan in registers
             every = gl.convert_layout(takes, WL)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from dsacache.ops.topk.cutoff import bit_length
 from dsacache.ops.topk.rows import long_row, row_window
 
 # (candidates in the chunk, lanes before this one holding one) from a 0/1 flag a lane.
@@ -47,6 +48,7 @@ popc.b32 $1, lt;
 # A row's window and whether it is long: the Triton path's rules, compiled by Gluon.
 _row_window = gluon.jit(row_window.fn)
 _long_row = gluon.jit(long_row.fn)
+_bit_length = gluon.jit(bit_length.fn)
 
 
 @gluon.jit
@@ -158,16 +160,28 @@ def chosen_bin_prefix(chosen, shift, BINS: gl.constexpr):
 
 @gluon.jit
 def radix_narrow(keys, mask, count, need, prefix, top, slack, BITS: gl.constexpr, PASSES: gl.constexpr,
-                 layout: gl.constexpr):
+                 layout: gl.constexpr, SKIP_SHARED: gl.constexpr = False):
     """Narrow down to the ``need``-th largest of the uint32 ``keys`` (1-D) under ``mask``: the rule
     of the Triton path's ``radix.radix_narrow``. The ``count`` masked keys share their bits at and
     above ``top`` with ``prefix`` (whose lower bits are 0); each of at most PASSES passes fixes the
     next BITS bits from a histogram (``layout``: one for 2**BITS bins). Returns ``(prefix, need,
     whole)``: the top ``need`` are the keys above ``prefix`` plus the first ``need`` equal to it,
-    or, when ``whole``, every key ``>= prefix`` (a bin taken whole or holding at most ``slack``)."""
+    or, when ``whole``, every key ``>= prefix`` (a bin taken whole or holding at most ``slack``).
+
+    SKIP_SHARED first fixes every bit the masked keys share (from their maximum and minimum, two
+    reductions) instead of a pass for each BITS of them: the same result, and no pass at all for
+    keys that are all equal (heavy ties of one value)."""
     BINS: gl.constexpr = 1 << BITS
     whole = (need == count) | (count <= slack)
     done = whole | (top == 0)
+    if SKIP_SHARED:
+        if not done:
+            high_key = gl.max(gl.where(mask, keys, 0), axis=0)
+            low_key = gl.min(gl.where(mask, keys, 0xFFFFFFFF), axis=0)
+            # bit_length may be one too many: it then fixes one bit fewer, never a differing one
+            top = gl.minimum(top, _bit_length(high_key ^ low_key))
+            prefix = high_key & ((0xFFFFFFFF << top.to(gl.int64)) & 0xFFFFFFFF).to(gl.uint32)
+            done = top == 0
     for _ in range(PASSES):  # a runtime loop: one copy of the pass in the code
         if not done:
             shift = gl.maximum(top - BITS, 0)
@@ -199,7 +213,7 @@ def _narrow_chosen_bin(seg_row, counts_row, cut, shift, chosen, left, in_bin, PR
     dist = pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut
     in_chosen = valid & (_candidate_bin(dist, shift, BINS) == chosen)
     prefix, top = chosen_bin_prefix(chosen, shift, BINS)
-    return radix_narrow(dist, in_chosen, in_bin, left, prefix, top, 0, BITS, (32 + BITS - 1) // BITS, RL)
+    return radix_narrow(dist, in_chosen, in_bin, left, prefix, top, 0, BITS, (32 + BITS - 1) // BITS, RL, True)
 
 
 @gluon.jit
