@@ -535,13 +535,15 @@ def test_row_kernel_on_prefill_windows(rows, width):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("width, with_starts", [(8_192, False), (20_000, True), (32_768, False), (32_768, True)])
-def test_row_kernel_keeps_skewed_rows(width, with_starts):
+@pytest.mark.parametrize("row_bins", [None, 1024])
+def test_row_kernel_keeps_skewed_rows(width, with_starts, row_bins):
     """Rows whose largest logits bunch in a few warps' slices (sorted either way, ramps, one hot
     slice, a ramp with exact ties at the cut-off) give those warps more candidates than the ballot
     select loads a segment (at 32K more than a segment holds), so only the rescan
     (``_rescan_select``) or the radix passes over the row can take them: every row equals the
     reference, on repeated launches. The last row is skewed with heavy ties: its second half holds
-    7 values, so the rescan cuts a chosen bin of hundreds to thousands of equal candidates."""
+    7 values, so the rescan cuts a chosen bin of hundreds to thousands of equal candidates. With
+    1024 bins (``row_bins``, the default past one row an SM) each chosen bin holds more."""
     from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -569,7 +571,7 @@ def test_row_kernel_keeps_skewed_rows(width, with_starts):
     ref = run_topk("torch", logits, lens, k, row_starts=starts)
     for _ in range(2):
         out = torch.full((9, k), -7, dtype=torch.int32, device="cuda")
-        launch_topk(logits, lens, starts, out)
+        launch_topk(logits, lens, starts, out, TopkConfig(row_bins=row_bins))
         assert torch.equal(out, ref)
 
 

@@ -71,6 +71,10 @@ class TopkConfig:
     cap: int | None = None
     #: candidate histogram bins: fine enough that the chosen bin rarely holds more than ``ties``
     bins: int = 2048
+    #: the Hopper row kernel's bins (None: 1024 when its programs share SMs, more rows than SMs, else ``bins``):
+    #: two programs an SM make its per-row histogram work the larger cost, and the row kernel cuts a fuller
+    #: chosen bin itself (measured in docs/benchmarks.md)
+    row_bins: int | None = None
     #: one-warp filter programs a row (None: about 32 an SM in all, ``filter_programs``)
     progs: int | None = None
     #: logits a lane a filter step (None: 4 for logits larger than L2, which stream from DRAM, else 8)
@@ -120,6 +124,8 @@ class _Plan:
     vec: int
     ahead: int
     select_warps: int
+    #: candidate histogram bins of this launch (the row kernel's ``row_bins`` or ``bins``)
+    bins: int
     #: L2 eviction policy of the filter's logits loads: "evict_first" for logits larger than L2, which
     #: every row reads once, so the candidate segments and histograms the select reads stay in L2
     evict: str
@@ -155,7 +161,8 @@ def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int) -> _Plan:
     streamed = l2_bytes is not None and rows * logits.stride(0) * logits.element_size() > l2_bytes
     vec = cfg.vec or (4 if streamed else 8)
     gluon = _gluon_allowed(cfg, logits)
-    row = gluon and width <= cfg.row_max_len and _row_kernel_fits(cfg, logits, cap, vec)
+    row_bins = cfg.row_bins or (1024 if rows > num_sms else cfg.bins)
+    row = gluon and width <= cfg.row_max_len and _row_kernel_fits(cfg, logits, cap, vec, row_bins)
     progs = cfg.row_warps if row else cfg.progs or filter_programs(rows, num_sms, cap)
     load = cfg.load or select_first_load(k, cfg.samples, width, cap // progs, progs)
     if row and load % 32 == 0:
@@ -166,7 +173,8 @@ def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int) -> _Plan:
         first = "triton"
     return _Plan(cap=cap, progs=progs, load=load, vec=vec, ahead=cfg.ahead or (2 if streamed else 1),
                  select_warps=cfg.select_warps or (8 if rows <= num_sms else 16),
-                 evict="evict_first" if streamed else "", first=first)
+                 bins=row_bins if first == "row" else cfg.bins, evict="evict_first" if streamed else "",
+                 first=first)
 
 
 def _gluon_allowed(cfg: TopkConfig, logits: torch.Tensor) -> bool:
@@ -183,12 +191,12 @@ def _ballot_select_fits(cfg: TopkConfig, progs: int, load: int) -> bool:
             and cfg.ties % 32 == 0)
 
 
-def _row_kernel_fits(cfg: TopkConfig, logits: torch.Tensor, cap: int, vec: int) -> bool:
+def _row_kernel_fits(cfg: TopkConfig, logits: torch.Tensor, cap: int, vec: int, bins: int) -> bool:
     """The Hopper row kernel takes these rows and settings: 16-byte aligned rows (the tile PTX)
     and layouts that tile exactly (the candidate slots loaded first, a multiple of 32, are
     checked by ``_plan``)."""
     warps = cfg.row_warps
-    return (_aligned(logits) and vec in FILTER_TILE_V and cfg.bins % (32 * warps) == 0
+    return (_aligned(logits) and vec in FILTER_TILE_V and bins % (32 * warps) == 0
             and cfg.samples % (32 * warps) == 0 and cfg.ties % 32 == 0 and 128 * warps <= cap)
 
 
@@ -219,7 +227,7 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     cap, progs, vec = plan.cap, plan.progs, plan.vec
     check_launch(cap & (cap - 1) == 0 and progs & (progs - 1) == 0 and 128 * progs <= cap < 2**16,
                  "cap and progs powers of two, 128 * progs <= cap < 65536")
-    check_launch(vec & (vec - 1) == 0 and cfg.bins & (cfg.bins - 1) == 0 and cfg.samples % cfg.sample_run == 0,
+    check_launch(vec & (vec - 1) == 0 and plan.bins & (plan.bins - 1) == 0 and cfg.samples % cfg.sample_run == 0,
                  "vec and bins powers of two, sample_run divides samples")
     window = dict(width=logits.shape[1], HAS_STARTS=starts is not None)
     starts = lens if starts is None else starts  # never read without HAS_STARTS
@@ -230,10 +238,10 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     buf_pos = torch.empty_like(buf_keys)
     cut = torch.empty(rows, dtype=torch.int32, device=device)
     shift = torch.empty_like(cut)
-    hist = torch.empty(rows, cfg.bins, dtype=torch.int32, device=device)
+    hist = torch.empty(rows, plan.bins, dtype=torch.int32, device=device)
     stride = logits.stride(0)
     pdl = {"PDL": True, "launch_pdl": True} if cfg.pdl and dependent_launch(device) else {"PDL": False}
-    common = dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=cfg.bins)
+    common = dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=plan.bins)
     skip = {}
     if plan.first == "row":
         from dsacache.ops.topk.row_gluon import topk_row_kernel  # Gluon is imported only where it runs
@@ -242,7 +250,7 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
         topk_row_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
                                  buf_keys, buf_pos, stride, window["width"], buf_keys.stride(0), K=k,
                                  SAMPLES=cfg.samples, SAMPLE_RUN=cfg.sample_run, SAMPLE_BITS=cfg.sample_bits,
-                                 SEG=cap // progs, LOAD=plan.load, CAP=cap, BINS=cfg.bins, TIES=cfg.ties, V=vec,
+                                 SEG=cap // progs, LOAD=plan.load, CAP=cap, BINS=plan.bins, TIES=cfg.ties, V=vec,
                                  TILE_PTX=filter_tile_ptx(vec), TILE_REGS=filter_tile_regs(vec), AHEAD=plan.ahead,
                                  HAS_STARTS=window["HAS_STARTS"], EVICT=plan.evict, num_warps=progs, **pdl,
                                  **({"maxnreg": cfg.row_maxnreg} if cfg.row_maxnreg else {}))
