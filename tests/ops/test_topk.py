@@ -345,6 +345,10 @@ def test_topk_refuses_an_unknown_impl_or_launch_setting():
         TopkConfig(select="fast")
     with pytest.raises(ValueError, match="ahead=3"):
         TopkConfig(ahead=3)
+    with pytest.raises(ValueError, match="row_bins=1000; allowed: a power of two"):
+        TopkConfig(row_bins=1000)
+    with pytest.raises(ValueError, match="bins=16; allowed"):
+        TopkConfig(bins=16)
 
 
 def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
@@ -367,6 +371,28 @@ def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
     assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(row_warps=128)) == "gluon"  # bins / 32 warps
     assert select_kernel(torch.zeros(4, 131072), k, TopkConfig(gluon_select_warps=128)) == "triton"
     assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(select="triton")) == "triton"
+
+
+def test_row_kernel_bins_by_rows_an_sm(monkeypatch):
+    """The row kernel takes 1024 histogram bins once its programs share SMs (more rows than SMs),
+    ``bins`` otherwise or when ``row_bins`` is set; the wider path always takes ``bins``."""
+    pytest.importorskip("triton")
+    from dsacache.ops.topk import launch
+    from dsacache.ops.topk.launch import TopkConfig
+
+    monkeypatch.setattr(launch, "_gluon_allowed", lambda cfg, logits: cfg.select != "triton")
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    k = 2048
+
+    def plan(rows, width, **settings):
+        return launch._plan(TopkConfig(**settings), torch.zeros(rows, width), k)
+
+    assert (plan(132, 32768).first, plan(132, 32768).bins) == ("row", 2048)
+    assert (plan(133, 32768).first, plan(133, 32768).bins) == ("row", 1024)
+    assert plan(256, 8192, row_bins=2048).bins == 2048
+    assert plan(64, 8192, row_bins=1024).bins == 1024
+    assert (plan(256, 65536).first, plan(256, 65536).bins) == ("gluon", 2048)
+    assert plan(256, 32768, bins=4096).bins == 1024
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -112,6 +112,11 @@ class TopkConfig:
             raise ValueError(f"select={self.select!r}; allowed: {', '.join(SELECTS)}")
         if self.ahead not in (None, 1, 2):
             raise ValueError(f"ahead={self.ahead}; allowed: None, 1, 2")
+        for name in ("bins", "row_bins"):
+            value = getattr(self, name)
+            if value is not None and (value < 32 or value & (value - 1)):
+                raise ValueError(f"{name}={value}; allowed: a power of two, at least 32"
+                                 + (", or None" if name == "row_bins" else ""))
 
 
 @dataclasses.dataclass(frozen=True)
