@@ -349,6 +349,8 @@ def test_topk_refuses_an_unknown_impl_or_launch_setting():
         TopkConfig(row_bins=1000)
     with pytest.raises(ValueError, match="bins=16; allowed"):
         TopkConfig(bins=16)
+    with pytest.raises(ValueError, match="short_warps=12; allowed"):
+        TopkConfig(short_warps=12)
 
 
 def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
@@ -364,7 +366,15 @@ def test_hopper_kernel_choice_by_width_alignment_and_settings(monkeypatch):
     monkeypatch.setattr(launch, "_gluon_allowed", lambda cfg, logits: cfg.select != "triton")
     k = 2048
     assert select_kernel(torch.zeros(4, 32768), k) == "row"
+    assert select_kernel(torch.zeros(4, 4096), k) == "short"                  # up to short_max_len
+    assert select_kernel(torch.zeros(4, 4097)[:, 1:], k) == "short"           # any alignment
+    assert select_kernel(torch.zeros(4, 4096), k, TopkConfig(short_max_len=0)) == "row"
+    assert select_kernel(torch.zeros(4, 4100), k) == "row"
     assert select_kernel(torch.zeros(4, 8192), k) == "row"
+    assert select_kernel(torch.zeros(4, 8192), k, TopkConfig(short_max_len=8192)) == "short"
+    short_8 = TopkConfig(short_max_len=8192, short_warps=8)                     # 16 logits a thread at most
+    assert (select_kernel(torch.zeros(4, 8192), k, short_8), select_kernel(torch.zeros(4, 4096), k, short_8)) == \
+        ("row", "short")
     assert select_kernel(torch.zeros(4, 32772), k) == "gluon"                  # wider than row_max_len
     assert select_kernel(torch.zeros(4, 32768), k, TopkConfig(row_max_len=16384)) == "gluon"
     assert select_kernel(torch.zeros(4, 32769)[:, :32767], k) == "gluon"      # rows not 16-byte aligned
@@ -389,8 +399,9 @@ def test_row_kernel_bins_by_rows_an_sm(monkeypatch):
 
     assert (plan(132, 32768).first, plan(132, 32768).bins) == ("row", 2048)
     assert (plan(133, 32768).first, plan(133, 32768).bins) == ("row", 1024)
-    assert plan(256, 8192, row_bins=2048).bins == 2048
-    assert plan(64, 8192, row_bins=1024).bins == 1024
+    assert plan(256, 16384, row_bins=2048).bins == 2048
+    assert plan(64, 16384, row_bins=1024).bins == 1024
+    assert (plan(256, 4096).first, plan(256, 4096).bins) == ("short", 2048)
     assert (plan(256, 65536).first, plan(256, 65536).bins) == ("gluon", 2048)
     assert plan(256, 32768, bins=4096).bins == 1024
 
@@ -552,10 +563,10 @@ def test_row_kernel_on_prefill_windows(rows, width):
     lens = (width - starts).to(torch.int32)
     lens[3] = 5000  # a window shorter than the row, ending mid-row
     lens[4] = 3000  # short: not sampled, radix passes over the window
-    assert select_kernel(logits, k) == "row"
+    assert select_kernel(logits, k, TopkConfig(short_max_len=0)) == "row"
     ref = run_topk("torch", logits, lens, k, row_starts=starts)
     out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-    launch_topk(logits, lens, starts, out, TopkConfig(select="gluon-only"))
+    launch_topk(logits, lens, starts, out, TopkConfig(select="gluon-only", short_max_len=0))
     assert torch.equal(out, ref)
 
 
@@ -593,18 +604,20 @@ def test_row_kernel_keeps_skewed_rows(width, with_starts, row_bins):
     else:
         starts = None
         lens = torch.full((9,), width, dtype=torch.int32, device="cuda")
-    assert select_kernel(logits, k) == "row"
+    assert select_kernel(logits, k, TopkConfig(short_max_len=0)) == "row"
     ref = run_topk("torch", logits, lens, k, row_starts=starts)
     for _ in range(2):
         out = torch.full((9, k), -7, dtype=torch.int32, device="cuda")
-        launch_topk(logits, lens, starts, out, TopkConfig(row_bins=row_bins))
+        launch_topk(logits, lens, starts, out, TopkConfig(row_bins=row_bins, short_max_len=0))
         assert torch.equal(out, ref)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("width, first", [(8_192, "row"), (32_768, "row"), (40_000, "gluon")])
+@pytest.mark.parametrize("width, first", [(5_000, "short"), (8_192, "short"), (8_192, "row"), (32_768, "row"),
+                                          (40_000, "gluon")])
 def test_gluon_kernels_select_the_rows_the_common_path_cannot(width, first):
-    """Rows off the Gluon kernels' common path. The row kernel (nothing after it, ``gluon-only``)
+    """Rows off the Gluon kernels' common path. The short-row kernel takes every row whole (and must
+    equal the reference on all of them). The row kernel (nothing after it, ``gluon-only``)
     takes them all: heavy ties (a chosen bin far past TIES, cut by radix passes over its
     candidates, or over the rescan's scratch when the row is skewed too), and the rows its sampled
     steps cannot take, selected by radix passes over the row (``_select_whole_row``): empty, one
@@ -627,17 +640,18 @@ def test_gluon_kernels_select_the_rows_the_common_path_cannot(width, first):
     logits[9, sampled] -= 20.0                                                    # a cut-off below every logit
     logits[10, ::3] = 1.0                                                         # a third of the row tied
     logits[12] = torch.randint(0, 50, (width,), device="cuda", generator=gen).float()  # a chosen bin past TIES
-    assert select_kernel(logits, k) == first
+    short = {"short_max_len": 8192 if first == "short" else 0}
+    assert select_kernel(logits, k, TopkConfig(**short)) == first
     ref = run_topk("torch", logits, lens, k)
     check_valid(ref, lens, k)
     only = torch.full((13, k), -7, dtype=torch.int32, device="cuda")
-    launch_topk(logits, lens, None, only, TopkConfig(select="gluon-only"))
+    launch_topk(logits, lens, None, only, TopkConfig(select="gluon-only", **short))
     taken = (only != -7).all(dim=1)
-    assert first == "gluon" or taken.all(), f"the row kernel left rows {(~taken).nonzero().flatten().tolist()}"
+    assert first == "gluon" or taken.all(), f"the {first} kernel left rows {(~taken).nonzero().flatten().tolist()}"
     assert torch.equal(only[taken], ref[taken])
     for _ in range(2):
         out = torch.full((13, k), -7, dtype=torch.int32, device="cuda")
-        launch_topk(logits, lens, None, out)
+        launch_topk(logits, lens, None, out, TopkConfig(**short))
         assert torch.equal(out, ref)
 
 
@@ -645,7 +659,9 @@ def test_gluon_kernels_select_the_rows_the_common_path_cannot(width, first):
 @pytest.mark.parametrize("rows, length, pdl, first", [(3, 20_000, True, "row"), (64, 131_072, True, "gluon"),
                                                       (256, 32_768, True, "row"), (64, 32_768, False, "row"),
                                                       (5, 8_192, True, "row"), (7, 40_000, False, "gluon"),
-                                                      (160, 131_072, True, "gluon"), (512, 32_768, True, "row")])
+                                                      (160, 131_072, True, "gluon"), (512, 32_768, True, "row"),
+                                                      (5, 4_096, True, "short"), (256, 4_096, True, "short"),
+                                                      (9, 3_000, False, "short")])
 def test_gluon_kernels_match_reference(rows, length, pdl, first):
     """The Hopper kernels (the row kernel: cut-off, filter and ballot select in one launch, up
     to ``row_max_len``; the ballot select after the Triton filter for wider logits) on the rows
@@ -668,13 +684,13 @@ def test_gluon_kernels_match_reference(rows, length, pdl, first):
     assert taken.float().mean() > 0.9, "the Gluon kernel left most random rows"
     assert torch.equal(only[taken], ref[taken])
     assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the Gluon kernel"
-    assert first != "row" or taken.all(), "the row kernel left a row"
+    assert first == "gluon" or taken.all(), f"the {first} kernel left a row"
 
     logits[0] = torch.randint(0, 3, (length,), device="cuda").float()
     logits[1] = logits[1].sort().values
     lens[2] = 5000
     ref = run_topk("torch", logits, lens, k)
-    for select in ("gluon", "gluon-only") if first == "row" else ("gluon",):
+    for select in ("gluon",) if first == "gluon" else ("gluon", "gluon-only"):
         for _ in range(3):
             out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
             launch_topk(logits, lens, None, out, TopkConfig(pdl=pdl, select=select))
@@ -682,11 +698,52 @@ def test_gluon_kernels_match_reference(rows, length, pdl, first):
     assert select_kernel(logits, k) == first
     if first == "row":  # rows not 16-byte aligned: the Triton filter, then the ballot select
         assert select_kernel(logits[:, 1:], k) == "gluon"
+    if first == "short":  # any alignment
+        assert select_kernel(logits[:, 1:], k) == "short"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [1, 63, 64, 65, 2047, 2048, 2049, 5000, 8192])
+@pytest.mark.parametrize("k", [2048, 64])
+def test_short_row_kernel_edge_cases(width, k):
+    """The short-row kernel (the whole row in registers, radix passes) against the reference on
+    widths around a kernel page and around k, every length from 0 up, row starts, unaligned rows,
+    rows of one repeated value, integer ties, sorted rows, and NaN / +-inf / +-0.0; twice each."""
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon short-row kernel runs on Hopper and newer")
+    gen = torch.Generator(device="cuda").manual_seed(width * 7 + k)
+    base = torch.randn(12, width + 1, device="cuda", generator=gen)
+    base[1] = 0.25                                                                        # one value
+    base[2] = torch.randint(0, 4, (width + 1,), device="cuda", generator=gen).float()     # heavy ties
+    base[3] = base[3].sort().values                                                       # ascending
+    base[4] = base[4].sort(descending=True).values
+    base[5, ::3] = float("nan")
+    base[5, 1::5] = float("-inf")
+    base[5, 2::7] = float("inf")
+    base[6, ::2] = 0.0
+    base[6, 1::2] = -0.0
+    base[7] = (base[7] * 4).round()
+    lengths = [width, 0, 1, min(width, 63), min(width, 64), min(width, 65), width, width, width, width, width,
+               max(width - 1, 0)]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    cfg = TopkConfig(select="gluon-only", short_max_len=8192)  # the widest it takes; 4K by default
+    for logits in (base[:, :width], base[:, 1:]):                                         # aligned, then not
+        assert select_kernel(logits, k, cfg) == "short"
+        starts = torch.randint(0, max(width // 3, 1), (12,), device="cuda", generator=gen, dtype=torch.int32)
+        starts[0] = 0
+        for row_starts in (None, starts):
+            ref = run_topk("torch", logits, lens, k, row_starts=row_starts)
+            for _ in range(2):
+                out = torch.full((12, k), -7, dtype=torch.int32, device="cuda")
+                launch_topk(logits, lens, row_starts, out, cfg)
+                assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("warps, vec", [(16, 8), (8, 4)])
 def test_gluon_kernels_compile_for_hopper_without_spills(warps, vec):
-    """The Hopper row kernel and the Gluon ballot select build for sm_90 on any machine (ptxas
+    """The Hopper row kernel, the Gluon ballot select and the short-row kernel build for sm_90 on any machine (ptxas
     ships with Triton): their layouts tile the default shapes, the row kernel's filter loads are
     16-byte vectors and nothing spills at the default register cap. In a fresh interpreter: this process runs Triton in
     interpreter mode, where kernels cannot be compiled."""
@@ -728,6 +785,17 @@ compiled = triton.compile(GluonASTSource(select, signature, constants), target=G
                           options={{"num_warps": 8}})
 regs, spilled, _ = usage(compiled)
 assert "vote.sync.ballot.b32" in compiled.asm["ptx"] and spilled == 0
+
+# The short-row kernel at the widest rows it takes (16 logits a thread), at its register cap.
+from dsacache.ops.topk.short_gluon import topk_short_row_kernel as short
+signature = dict(logits_ptr="*fp32", lens_ptr="*i32", starts_ptr="*i32", out_ptr="*i32", row_stride="i32", width="i32")
+constants = dict(K=2048, COLS=16 * 32 * TopkConfig().short_warps, BITS=TopkConfig().sample_bits, HAS_STARTS=True,
+                 PDL=True)
+signature.update({{name: "constexpr" for name in constants}})
+compiled = triton.compile(GluonASTSource(short, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options={{"num_warps": TopkConfig().short_warps, "maxnreg": TopkConfig().short_maxnreg}})
+regs, spilled, _ = usage(compiled)
+assert spilled == 0, ("short-row kernel", regs, spilled)
 print("built")
 """
     assert "built" in run_compiled_script(script)

@@ -102,6 +102,15 @@ class TopkConfig:
     #: register cap a thread of the row kernel (None: what ptxas picks): 64 lets two 16-warp programs
     #: share an SM, so 256 rows run in one wave on 132 SMs (no spills at 64)
     row_maxnreg: int | None = 64
+    #: widest logits the Hopper short-row kernel takes (``short_gluon``: the whole row in registers, no
+    #: sampled cut-off; 0: none), at most 16 logits a thread of ``short_warps``: faster than the row kernel
+    #: at 2K and 4K, slower at 8K (measured in docs/benchmarks.md)
+    short_max_len: int = 4096
+    #: warps of the Hopper short-row kernel
+    short_warps: int = 16
+    #: register cap a thread of the short-row kernel (None: what ptxas picks, 61 at 4K and 79 at 8K): 64 lets
+    #: two programs share an SM (no spills at 64)
+    short_maxnreg: int | None = 64
     #: widest logits the Hopper row kernel takes: a row's one program streams it with W warps, while
     #: the Triton filter spreads a longer row over many SMs (at B = 64 the row kernel is faster at
     #: 8K and 32K, slower at 64K and 128K; measured in docs/benchmarks.md)
@@ -112,6 +121,9 @@ class TopkConfig:
             raise ValueError(f"select={self.select!r}; allowed: {', '.join(SELECTS)}")
         if self.ahead not in (None, 1, 2):
             raise ValueError(f"ahead={self.ahead}; allowed: None, 1, 2")
+        if self.short_max_len < 0 or self.short_warps < 1 or self.short_warps & (self.short_warps - 1):
+            raise ValueError(f"short_max_len={self.short_max_len}, short_warps={self.short_warps}; allowed: "
+                             "short_max_len >= 0 (0: no short-row kernel), short_warps a power of two")
         for name in ("bins", "row_bins"):
             value = getattr(self, name)
             if value is not None and (value < 32 or value & (value - 1)):
@@ -134,8 +146,9 @@ class _Plan:
     #: L2 eviction policy of the filter's logits loads: "evict_first" for logits larger than L2, which
     #: every row reads once, so the candidate segments and histograms the select reads stay in L2
     evict: str
-    #: what runs before the Triton select: "row" (the Hopper row kernel), "gluon" (the Triton
-    #: cut-off and filter, then the Gluon ballot select) or "triton" (the Triton cut-off and filter)
+    #: what runs before the Triton select: "short" (the Hopper short-row kernel) or "row" (the Hopper
+    #: row kernel), each finishing every row itself; "gluon" (the Triton cut-off and filter, then the
+    #: Gluon ballot select) or "triton" (the Triton cut-off and filter)
     first: str
 
 
@@ -170,7 +183,9 @@ def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int) -> _Plan:
     row = gluon and width <= cfg.row_max_len and _row_kernel_fits(cfg, logits, cap, vec, row_bins)
     progs = cfg.row_warps if row else cfg.progs or filter_programs(rows, num_sms, cap)
     load = cfg.load or select_first_load(k, cfg.samples, width, cap // progs, progs)
-    if row and load % 32 == 0:
+    if gluon and cfg.short_max_len and width <= min(cfg.short_max_len, 16 * 32 * cfg.short_warps):
+        first = "short"
+    elif row and load % 32 == 0:
         first = "row"
     elif gluon and _ballot_select_fits(cfg, progs, load):
         first = "gluon"
@@ -211,8 +226,9 @@ def _aligned(logits: torch.Tensor) -> bool:
 
 
 def select_kernel(logits: torch.Tensor, k: int, config: TopkConfig | None = None) -> str:
-    """What a launch on ``logits`` runs before the Triton select (for reports): "row" (the
-    Hopper row kernel), "gluon" (cut-off, filter, Gluon ballot select) or "triton"."""
+    """What a launch on ``logits`` runs before the Triton select (for reports): "short" (the
+    Hopper short-row kernel), "row" (the Hopper row kernel), "gluon" (cut-off, filter, Gluon
+    ballot select) or "triton"."""
     return _plan(config or TopkConfig(), logits, k).first
 
 
@@ -229,6 +245,16 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
                  "contiguous lengths and row starts")
     rows, k = logits.shape[0], out.shape[1]
     plan = _plan(cfg, logits, k)
+    pdl = {"PDL": True, "launch_pdl": True} if cfg.pdl and dependent_launch(logits.device) else {"PDL": False}
+    if plan.first == "short":
+        from dsacache.ops.topk.short_gluon import topk_short_row_kernel  # Gluon is imported only where it runs
+
+        cols = max(triton.next_power_of_2(logits.shape[1]), 32 * cfg.short_warps)
+        topk_short_row_kernel[(rows,)](logits, lens, lens if starts is None else starts, out, logits.stride(0),
+                                       logits.shape[1], K=k, COLS=cols, BITS=cfg.sample_bits,
+                                       HAS_STARTS=starts is not None, num_warps=cfg.short_warps, **pdl,
+                                       **({"maxnreg": cfg.short_maxnreg} if cfg.short_maxnreg else {}))
+        return
     cap, progs, vec = plan.cap, plan.progs, plan.vec
     check_launch(cap & (cap - 1) == 0 and progs & (progs - 1) == 0 and 128 * progs <= cap < 2**16,
                  "cap and progs powers of two, 128 * progs <= cap < 65536")
@@ -245,7 +271,6 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     shift = torch.empty_like(cut)
     hist = torch.empty(rows, plan.bins, dtype=torch.int32, device=device)
     stride = logits.stride(0)
-    pdl = {"PDL": True, "launch_pdl": True} if cfg.pdl and dependent_launch(device) else {"PDL": False}
     common = dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=plan.bins)
     skip = {}
     if plan.first == "row":
