@@ -246,13 +246,14 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     rows, k = logits.shape[0], out.shape[1]
     plan = _plan(cfg, logits, k)
     pdl = {"PDL": True, "launch_pdl": True} if cfg.pdl and dependent_launch(logits.device) else {"PDL": False}
+    window = dict(width=logits.shape[1], HAS_STARTS=starts is not None)
+    starts = lens if starts is None else starts  # never read without HAS_STARTS
     if plan.first == "short":
         from dsacache.ops.topk.short_gluon import topk_short_row_kernel  # Gluon is imported only where it runs
 
         cols = max(triton.next_power_of_2(logits.shape[1]), 32 * cfg.short_warps)
-        topk_short_row_kernel[(rows,)](logits, lens, lens if starts is None else starts, out, logits.stride(0),
-                                       logits.shape[1], K=k, COLS=cols, BITS=cfg.sample_bits,
-                                       HAS_STARTS=starts is not None, num_warps=cfg.short_warps, **pdl,
+        topk_short_row_kernel[(rows,)](logits, lens, starts, out, logits.stride(0), **window, K=k, COLS=cols,
+                                       BITS=cfg.sample_bits, num_warps=cfg.short_warps, **pdl,
                                        **({"maxnreg": cfg.short_maxnreg} if cfg.short_maxnreg else {}))
         return
     cap, progs, vec = plan.cap, plan.progs, plan.vec
@@ -260,8 +261,6 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
                  "cap and progs powers of two, 128 * progs <= cap < 65536")
     check_launch(vec & (vec - 1) == 0 and plan.bins & (plan.bins - 1) == 0 and cfg.samples % cfg.sample_run == 0,
                  "vec and bins powers of two, sample_run divides samples")
-    window = dict(width=logits.shape[1], HAS_STARTS=starts is not None)
-    starts = lens if starts is None else starts  # never read without HAS_STARTS
     device = logits.device
     seg = torch.empty(rows, cap, 2, dtype=torch.int32, device=device)  # [R, PROGS, CAP // PROGS, 2]
     counts = torch.empty(rows, progs, dtype=torch.int32, device=device)

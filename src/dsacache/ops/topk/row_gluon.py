@@ -34,15 +34,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsacache.ops.topk.cutoff import float_cut
-from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
+from dsacache.ops.topk.keys import key_to_float, sortable_key_not_nan
 from dsacache.ops.topk.select_gluon import _add, _bit_length, _candidate_bin, _candidate_bin_cut, \
-    _gdc_launch_dependents, _gdc_wait, _histogram_cut, _long_row, _row_window, _taken, _tie_cut, _tie_cut_keeps, \
-    ballot_select, chosen_bin_prefix, radix_digits, radix_narrow
+    _gdc_launch_dependents, _gdc_wait, _histogram_cut, _long_row, _row_window, _sortable_key, _taken, _tie_cut, \
+    _tie_cut_keeps, ballot_select, chosen_bin_prefix, fill_unused, radix_digits, radix_narrow
 
 
 # The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
 # definition of the key order and of the cut-off's rounding for both paths.
-_sortable_key = gluon.jit(sortable_key.fn)
 _sortable_key_not_nan = gluon.jit(sortable_key_not_nan.fn)
 _key_to_float = gluon.jit(key_to_float.fn)
 _float_cut = gluon.jit(float_cut.fn)
@@ -361,9 +360,7 @@ def _select_whole_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, row_stride, wid
         seen += gl.sum(tie, axis=0)
         col = nxt
         x = x_next
-    for c in gl.static_range(0, K, BLOCK):
-        idx = c + lanes
-        gl.store(out_row + idx, gl.full([BLOCK], -1, gl.int32, BL), mask=(idx >= want) & (idx < K))
+    fill_unused(out_row, want, K, BLOCK, BL)
 
 
 @gluon.jit

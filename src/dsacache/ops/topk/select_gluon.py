@@ -30,6 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsacache.ops.topk.cutoff import bit_length
+from dsacache.ops.topk.keys import sortable_key
 from dsacache.ops.topk.rows import long_row, row_window
 
 # (candidates in the chunk, lanes before this one holding one) from a 0/1 flag a lane.
@@ -49,6 +50,16 @@ popc.b32 $1, lt;
 _row_window = gluon.jit(row_window.fn)
 _long_row = gluon.jit(long_row.fn)
 _bit_length = gluon.jit(bit_length.fn)
+_sortable_key = gluon.jit(sortable_key.fn)
+
+
+@gluon.jit
+def fill_unused(out_row, want, K: gl.constexpr, BLOCK: gl.constexpr, layout: gl.constexpr):
+    """``-1`` in a row's output slots ``[want, K)``, BLOCK slots a step (``layout``: BLOCK of them)."""
+    lanes = gl.arange(0, BLOCK, layout=layout)
+    for c in gl.static_range(0, K, BLOCK):
+        idx = c + lanes
+        gl.store(out_row + idx, gl.full([BLOCK], -1, gl.int32, layout), mask=(idx >= want) & (idx < K))
 
 
 @gluon.jit

@@ -22,10 +22,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dsacache.ops.topk.keys import sortable_key
-from dsacache.ops.topk.select_gluon import _add, _gdc_launch_dependents, _gdc_wait, _row_window, radix_narrow
-
-_sortable_key = gluon.jit(sortable_key.fn)
+from dsacache.ops.topk.select_gluon import _add, _gdc_launch_dependents, _gdc_wait, _row_window, _sortable_key, \
+    fill_unused, radix_narrow
 
 
 @gluon.jit
@@ -61,7 +59,4 @@ def topk_short_row_kernel(
     t = take.to(gl.int32)
     out_row = out_ptr + row.to(gl.int64) * K
     gl.store(out_row + gl.associative_scan(t, 0, _add) - t, col - start, mask=take)
-    lanes = gl.arange(0, 32 * W, layout=RL)
-    for c in gl.static_range(0, K, 32 * W):
-        idx = c + lanes
-        gl.store(out_row + idx, gl.full([32 * W], -1, gl.int32, RL), mask=(idx >= want) & (idx < K))
+    fill_unused(out_row, want, K, 32 * W, RL)
