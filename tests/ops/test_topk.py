@@ -741,12 +741,14 @@ def test_short_row_kernel_edge_cases(width, k):
                 assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("warps, vec", [(16, 8), (8, 4)])
-def test_gluon_kernels_compile_for_hopper_without_spills(warps, vec):
+@pytest.mark.parametrize("warps, vec, bins", [(16, 8, 2048), (16, 8, 1024), (8, 4, 2048)])
+def test_gluon_kernels_compile_for_hopper_without_spills(warps, vec, bins):
     """The Hopper row kernel, the Gluon ballot select and the short-row kernel build for sm_90 on any machine (ptxas
     ships with Triton): their layouts tile the default shapes, the row kernel's filter loads are
-    16-byte vectors and nothing spills at the default register cap. In a fresh interpreter: this process runs Triton in
-    interpreter mode, where kernels cannot be compiled."""
+    16-byte vectors, its histogram counts are shared-memory atomics at the offset the compiler gave the
+    buffer, and nothing spills at the default register cap but, in the 16-warp row kernel, a few values
+    live across its steps (at most 64 bytes; none in its loops, read from the SASS). In a fresh
+    interpreter: this process runs Triton in interpreter mode, where kernels cannot be compiled."""
     pytest.importorskip("triton.experimental.gluon")
     script = PTXAS_USAGE + f"""
 from triton.backends.compiler import GPUTarget
@@ -755,36 +757,40 @@ from dsacache.ops.topk.filter import filter_tile_ptx, filter_tile_regs
 from dsacache.ops.topk.launch import TopkConfig
 from dsacache.ops.topk.row_gluon import topk_row_kernel as kernel
 from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel as select
+from dsacache.ops.triton_utils import shared_buffer_offset
 
-W, V = {warps}, {vec}
-pointers = ["logits_ptr", "lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr",
-            "counts_ptr", "tie_keys_ptr", "tie_pos_ptr"]
+W, V, BINS = {warps}, {vec}, {bins}
+pointers = ["logits_ptr", "lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "seg_ptr", "counts_ptr",
+            "tie_keys_ptr", "tie_pos_ptr"]
 signature = {{name: "*i32" for name in pointers}}
-signature.update(logits_ptr="*fp32", seg_ptr="*i64", row_stride="i32", width="i32", stride_tie="i32")
+signature.update(logits_ptr="*fp32", seg_ptr="*i64", row_stride="i32", width="i32", stride_tie="i32", hist_smem="i32")
 constants = dict(K=2048, SAMPLES=2048, SAMPLE_RUN=8, SAMPLE_BITS=TopkConfig().sample_bits, SEG=8192 // W, LOAD=256,
-                 CAP=8192, BINS=2048, TIES=32, V=V, TILE_PTX=filter_tile_ptx(V), TILE_REGS=filter_tile_regs(V), AHEAD=1,
-                 HAS_STARTS=True, PDL=True)
+                 CAP=8192, BINS=BINS, TIES=32, V=V, TILE_PTX=filter_tile_ptx(V, "shared"),
+                 TILE_REGS=filter_tile_regs(V, "shared"), AHEAD=1, HAS_STARTS=True, PDL=True)
 signature.update({{name: "constexpr" for name in constants}})
 attrs = {{(0,): [["tt.divisibility", 16]]}}
 compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options={{"num_warps": W, "maxnreg": TopkConfig().row_maxnreg}})
 ptx = compiled.asm["ptx"]
 regs, spilled, _ = usage(compiled)
-print(f"row kernel W={{W}} V={{V}}: {{regs}} registers, spilled={{spilled}}")
-assert "vote.sync.ballot.b32" in ptx and "ld.global.v4" in ptx and spilled == 0
+print(f"row kernel W={{W}} V={{V}} BINS={{BINS}}: {{regs}} registers, spilled={{spilled}}")
+assert "vote.sync.ballot.b32" in ptx and "ld.global.v4" in ptx and "red.shared.add.u32" in ptx
+assert "red.global" not in ptx and spilled <= (64 if W == 16 else 0)
+assert shared_buffer_offset(compiled, "hist_buf") % 4 == 0
 
 # The ballot select alone (after the Triton filter, for wider logits), at its default shape.
-pointers = ["lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr", "counts_ptr",
-            "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]
+pointers = ["logits_ptr", "lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr",
+            "counts_ptr", "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]
 signature = {{name: "*i64" if name == "seg_ptr" else "*i32" for name in pointers}}
-signature.update(width="i32", stride_tie="i32")
+signature.update(logits_ptr="*fp32", row_stride="i32", width="i32", stride_tie="i32", hist_smem="i32")
 constants = dict(K=2048, SAMPLES=2048, PROGS=64, SEG=128, LOAD=128, CAP=8192, BINS=2048, TIES=32,
-                 HAS_STARTS=False, PDL=True)
+                 HAS_STARTS=False, PDL=True, TILE=128)
 signature.update({{name: "constexpr" for name in constants}})
 compiled = triton.compile(GluonASTSource(select, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options={{"num_warps": 8}})
 regs, spilled, _ = usage(compiled)
-assert "vote.sync.ballot.b32" in compiled.asm["ptx"] and spilled == 0
+assert "vote.sync.ballot.b32" in compiled.asm["ptx"] and "red.shared.add.u32" in compiled.asm["ptx"] and spilled == 0
+shared_buffer_offset(compiled, "hist_buf")
 
 # The short-row kernel at the widest rows it takes (16 logits a thread), at its register cap.
 from dsacache.ops.topk.short_gluon import topk_short_row_kernel as short

@@ -98,6 +98,40 @@ def resident_programs(compiled, device: torch.device) -> int | None:
     return per_sm * sm_count(device)
 
 
+def shared_buffer_offset(compiled, name: str) -> int:
+    """Byte offset in shared memory of the buffer that a compiled Gluon kernel (``warmup``'s result) allocates
+    with ``gl.allocate_shared_memory`` into the variable ``name``, for inline PTX that addresses it from
+    ``global_smem``. Gluon gives no address of a buffer; the offset is the one Triton's shared-memory
+    allocation pass assigns, found by running the passes that ``make_llir`` runs before it on the kernel's
+    TTGIR. Raises ``RuntimeError`` if the buffer is not found."""
+    import re
+    import tempfile
+
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.nvidia.compiler import get_ptx_version_from_options
+
+    meta = compiled.metadata
+    context = ir.context()
+    ir.load_dialects(context)
+    nvidia.load_dialects(context)
+    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as source:
+        source.write(compiled.asm["ttgir"])
+        source.flush()
+        module = ir.parse_mlir_module(source.name, context)
+    manager = ir.pass_manager(context)
+    passes.ttgpuir.add_combine_tensor_select_and_if(manager)
+    passes.ttgpuir.add_allocate_warp_groups(manager)
+    passes.convert.add_scf_to_cf(manager)
+    passes.gluon.add_inliner(manager)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(manager, meta.target.arch,
+                                                          get_ptx_version_from_options(meta, meta.target.arch))
+    manager.run(module, "shared_buffer_offset")
+    found = re.findall(rf"%{re.escape(name)}\b[^\n]*ttg\.local_alloc[^\n]*allocation\.offset = (\d+)", str(module))
+    if len(found) != 1:
+        raise RuntimeError(f"shared buffer {name!r}: {len(found)} allocations found in the compiled kernel")
+    return int(found[0])
+
+
 def check_launch(condition: bool, what: str) -> None:
     """A launcher's precondition on strides/dtypes: ``ValueError`` naming it (asserts vanish under -O)."""
     if not condition:

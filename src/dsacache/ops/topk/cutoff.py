@@ -33,6 +33,7 @@ def topk_cutoff_kernel(
     K: tl.constexpr, SAMPLES: tl.constexpr, SAMPLE_RUN: tl.constexpr, BINS: tl.constexpr,
     HAS_STARTS: tl.constexpr,  # False: every row starts at column 0 (starts_ptr unused)
     SAMPLE_BITS: tl.constexpr = 8, PDL: tl.constexpr = False,
+    ZERO_HIST: tl.constexpr = True,  # False: the filter does not count (the Hopper ballot select does)
 ):
     """One program a row: a cut-off key with, most likely, a little over K of the row's keys
     at or above it (from SAMPLES keys in evenly spaced runs). With PDL it waits for the kernel
@@ -43,7 +44,8 @@ def topk_cutoff_kernel(
     row = tl.program_id(0)
     n, row_ptr = row_setup(logits_ptr, lens_ptr, starts_ptr, row, row_stride, width, HAS_STARTS)
     if long_row(n, K, SAMPLES):
-        tl.store(hist_ptr + row.to(tl.int64) * BINS + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
+        if ZERO_HIST:
+            tl.store(hist_ptr + row.to(tl.int64) * BINS + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
         lanes = tl.arange(0, SAMPLES)
         runs: tl.constexpr = SAMPLES // SAMPLE_RUN
         idx = (lanes // SAMPLE_RUN) * (n // runs) + lanes % SAMPLE_RUN

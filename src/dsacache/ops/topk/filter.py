@@ -2,11 +2,13 @@
 
 PROGS one-warp programs a row (~32 an SM): each streams its slice with the next tile's loads
 in flight, tests ``x >= float(cut)`` (the cut-off is never +0.0 or NaN), places candidates
-with a warp-local prefix sum and writes (key, position) pairs and histogram counts with
-predicated PTX stores, so nothing goes through shared memory and no barrier stalls the
-loop. On aligned rows a tile step is one PTX block (``filter_tile_ptx``) that does the
-per-candidate work only where a lane keeps one; unaligned rows take the per-logit predicated
-stores. Without PTX (the interpreter) the same work is plain ``tl.store`` / ``tl.atomic_add``.
+with a warp-local prefix sum and writes (key, position) pairs and, with COUNT, histogram
+counts with predicated PTX stores, so nothing goes through shared memory and no barrier
+stalls the loop. (On Hopper the ballot select that follows counts the candidates in shared
+memory instead: a histogram ``red`` a candidate was an L2 transaction each.) On aligned
+rows a tile step is one PTX block (``filter_tile_ptx``) that does the per-candidate work
+only where a lane keeps one; unaligned rows take the per-logit predicated stores. Without
+PTX (the interpreter) the same work is plain ``tl.store`` / ``tl.atomic_add``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def topk_filter_kernel(
     TILE_PTX: tl.constexpr = "", TILE_REGS: tl.constexpr = "",  # with TILE_ASM: filter_tile_ptx(V), filter_tile_regs(V)
     AHEAD: tl.constexpr = 1,  # tiles loaded ahead of the one scanned (1 or 2)
     EVICT: tl.constexpr = "",  # L2 eviction policy of the logits loads ("" or "evict_first")
+    COUNT: tl.constexpr = True,  # count the candidates into hist_ptr (False: the Hopper ballot select counts them)
 ):
     """PROGS one-warp programs a long row: candidates at or above the row's cut-off.
 
@@ -67,7 +70,7 @@ def topk_filter_kernel(
             row_ptr = logits_ptr + row.to(tl.int64) * row_stride
         count = _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr + row, shift_ptr + row,
                              hist_ptr + row.to(tl.int64) * BINS, seg, SEG_CAP, BINS, V, USE_ASM, PDL,
-                             TILE_ASM and ALIGNED, TILE_PTX, TILE_REGS, AHEAD, EVICT)
+                             TILE_ASM and ALIGNED, TILE_PTX, TILE_REGS, AHEAD, EVICT, COUNT)
         if PDL:
             gdc_launch_dependents()
         tl.store(counts_ptr + row * PROGS + prog, count)
@@ -89,7 +92,8 @@ def filter_slice(start, n, prog, PROGS: tl.constexpr, TILE: tl.constexpr):
 def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, seg,
                  SEG_CAP: tl.constexpr, BINS: tl.constexpr, V: tl.constexpr, USE_ASM: tl.constexpr,
                  PDL: tl.constexpr, TILE_ASM: tl.constexpr = False, TILE_PTX: tl.constexpr = "",
-                 TILE_REGS: tl.constexpr = "", AHEAD: tl.constexpr = 1, EVICT: tl.constexpr = ""):
+                 TILE_REGS: tl.constexpr = "", AHEAD: tl.constexpr = 1, EVICT: tl.constexpr = "",
+                 COUNT: tl.constexpr = True):
     """One warp's candidates of columns [lo, hi) (``hi_load >= hi`` bounds the loads, a multiple
     of 4 when ``lo`` is, so they vectorize): (key, position - start) pairs of each key >= cut,
     in order, into the segment ``seg`` (at most SEG_CAP pairs), each counted into the row's
@@ -138,12 +142,13 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
             bin_ = tl.minimum((key - cut) >> shift, BINS - 1).to(tl.int32)
             key = key.to(tl.int32, bitcast=True)
             if USE_ASM:
-                _store_candidate_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP)
+                _store_candidate_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP, COUNT)
             else:
                 room = keep & (slot < SEG_CAP)
                 tl.store(seg + 2 * slot, key, mask=room)
                 tl.store(seg + 2 * slot + 1, pos, mask=room)
-                tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
+                if COUNT:
+                    tl.atomic_add(hist_row + bin_, 1, mask=keep, sem="relaxed")
             count += tl.sum(keep_i, axis=0)
         col = nxt
         x = x_next
@@ -169,21 +174,32 @@ def _filter_tile_asm(asm: tl.constexpr, regs: tl.constexpr, x, pos, count, cut_f
         dtype=tl.int32, is_pure=False, pack=V)
 
 
+# (key, pos) to seg[slot] (if in room) and hist[bin] += 1, where kept; without the count, the first half only.
+_STORE_ASM = """{ .reg .pred k, r; .reg .b64 a;
+        setp.ne.b32 k, $7, 0;
+        setp.lt.and.s32 r, $3, $8, k;
+        mad.wide.s32 a, $3, 8, $1;
+        @r st.global.v2.b32 [a], {$5, $6};"""
+_STORE_CANDIDATE_ASM = tl.constexpr(_STORE_ASM + """
+        mad.wide.s32 a, $4, 4, $2;
+        @k red.global.add.u32 [a], 1;
+        mov.b32 $0, 0; }""")
+_STORE_CANDIDATE_ONLY_ASM = tl.constexpr(_STORE_ASM + """
+        mov.b32 $0, 0; }""")
+
+
 @triton.jit
-def _store_candidate_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP: tl.constexpr):
+def _store_candidate_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP: tl.constexpr, COUNT: tl.constexpr):
     """Where ``keep``: seg[2 * slot : 2 * slot + 2] = (key, pos) (if slot < SEG_CAP), one
     predicated 8-byte store, and hist_row[bin_] += 1, as PTX. As ``tl.store`` and
     ``tl.atomic_add`` the scattered addresses would make Triton move every value into a
     one-element-a-thread layout through shared memory first; here they stay in the load's."""
+    if COUNT:
+        asm: tl.constexpr = _STORE_CANDIDATE_ASM
+    else:
+        asm: tl.constexpr = _STORE_CANDIDATE_ONLY_ASM
     tl.inline_asm_elementwise(
-        """{ .reg .pred k, r; .reg .b64 a;
-        setp.ne.b32 k, $7, 0;
-        setp.lt.and.s32 r, $3, $8, k;
-        mad.wide.s32 a, $3, 8, $1;
-        @r st.global.v2.b32 [a], {$5, $6};
-        mad.wide.s32 a, $4, 4, $2;
-        @k red.global.add.u32 [a], 1;
-        mov.b32 $0, 0; }""",
+        asm,
         "=r,l,l,r,r,r,r,r,r",
         [seg.to(tl.int64, bitcast=True), hist_row.to(tl.int64, bitcast=True), slot, bin_, key, pos,
          keep.to(tl.int32), tl.full(slot.shape, SEG_CAP, tl.int32)],
@@ -191,8 +207,11 @@ def _store_candidate_asm(seg, hist_row, slot, bin_, key, pos, keep, SEG_CAP: tl.
 
 
 @functools.lru_cache(maxsize=None)
-def filter_tile_ptx(v: int) -> str:
-    """PTX for one warp's tile step of the filter (``_filter_tile_asm``), ``v`` logits a lane.
+def filter_tile_ptx(v: int, hist: str = "global") -> str:
+    """PTX for one warp's tile step of the filter (``_filter_tile_asm``), ``v`` logits a lane;
+    each candidate counted into the histogram at a 64-bit global address (``hist="global"``), at
+    a 32-bit shared-memory address (``"shared"``, the Hopper row kernel) or not at all
+    (``"none"``, the Triton filter before the ballot select, which counts).
 
     The tile is laid out as the 4-wide loads leave it: a lane holds ``v / 4`` runs of 4 adjacent
     logits, run ``r`` of lane ``l`` at tile columns ``128 r + 4 l .. + 3``. Position order is run,
@@ -209,6 +228,9 @@ def filter_tile_ptx(v: int) -> str:
     ones): out count; x bits, positions, count, cut-off float bits, span, cut-off key, shift,
     segment and histogram pointers, segment capacity, last bin.
     """
+    if hist not in ("global", "shared", "none"):
+        raise ValueError(f"hist={hist!r}; allowed: 'global', 'shared', 'none'")
+    hist_at = hist  # the operand indices below reuse the name
     runs = v // 4
     out = lambda i: f"${i}"                      # noqa: E731
     arg = lambda k, i=0: f"${v + k * v + i}"     # noqa: E731
@@ -257,8 +279,12 @@ def filter_tile_ptx(v: int) -> str:
     lines += {1: ["mov.b32 u, b0;"], 2: ["selp.b32 u, b1, b0, s2;"],
               4: ["selp.b32 t, b1, b0, s2;", "selp.b32 u, b3, b2, s2;", "selp.b32 u, u, t, s3;"]}[runs]
     lines += [f"setp.lt.and.s32 q, u, {arg(cap)}, y;", f"mad.wide.s32 a, u, 8, {arg(seg)};",
-              "@q st.global.v2.b32 [a], {key, p};", f"mad.wide.u32 a, bin, 4, {arg(hist)};",
-              "@y red.global.add.u32 [a], 1;", "shr.u32 t, j, 2;"]
+              "@q st.global.v2.b32 [a], {key, p};"]
+    if hist_at == "shared":
+        lines += [f"mad.lo.u32 t, bin, 4, {arg(hist)};", "@y red.shared.add.u32 [t], 1;"]
+    elif hist_at == "global":
+        lines += [f"mad.wide.u32 a, bin, 4, {arg(hist)};", "@y red.global.add.u32 [a], 1;"]
+    lines += ["shr.u32 t, j, 2;"]
     for r in range(runs):
         lines += [f"setp.eq.and.u32 q, t, {r}, y;", f"@q add.u32 b{r}, b{r}, 1;"]
     lines += ["bra.uni PASS_${:uid};", "DONE_${:uid}:"]
@@ -268,7 +294,8 @@ def filter_tile_ptx(v: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def filter_tile_regs(v: int) -> str:
-    """Inline-asm constraints of ``filter_tile_ptx(v)``: v outputs, then the inputs (7 x v 32-bit,
-    2 x v pointers, 2 x v 32-bit)."""
-    return ",".join(["=r"] * v + ["r"] * (7 * v) + ["l"] * (2 * v) + ["r"] * (2 * v))
+def filter_tile_regs(v: int, hist: str = "global") -> str:
+    """Inline-asm constraints of ``filter_tile_ptx(v, hist)``: v outputs, then the inputs (7 x v
+    32-bit, the segment pointer and the histogram's address, 64-bit or, in shared memory,
+    32-bit, x v each, 2 x v 32-bit)."""
+    return ",".join(["=r"] * v + ["r"] * (7 * v) + ["l"] * v + ["r" if hist == "shared" else "l"] * v + ["r"] * (2 * v))

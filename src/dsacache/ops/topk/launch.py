@@ -16,8 +16,9 @@ On Hopper and newer (compiled CUDA), logits up to ``TopkConfig.row_max_len`` wid
 ``row_gluon.topk_row_kernel`` for all three steps, a program a row, which finishes every row
 itself (the rare row its steps cannot take by radix passes over the row); other logits take
 the Triton cut-off and filter, then the Gluon ballot select
-(``select_gluon.topk_select_ballot_kernel``), then ``select_triton.topk_select_kernel`` for
-the rows the ballot select leaves (short rows, a missed cut-off, a skewed row).
+(``select_gluon.topk_select_ballot_kernel``, which counts the candidate histogram in shared
+memory, the filter leaving it), then ``select_triton.topk_select_kernel`` for the rows the
+ballot select leaves (short rows, a missed cut-off, a skewed row).
 Elsewhere the steps are three Triton kernels,
 ``cutoff.topk_cutoff_kernel`` (a program a row), ``filter.topk_filter_kernel`` (PROGS
 one-warp programs a row) and ``select_triton.topk_select_kernel``, whose own branches cover a
@@ -39,7 +40,8 @@ from dsacache.ops.topk.cutoff import topk_cutoff_kernel
 from dsacache.ops.topk.filter import FILTER_TILE_V, filter_tile_ptx, filter_tile_regs, topk_filter_kernel
 from dsacache.ops.topk.select_triton import topk_select_kernel
 from dsacache.ops.topk.slots import positions_to_slots_kernel
-from dsacache.ops.triton_utils import INTERPRET, check_launch, dependent_launch, l2_cache_bytes, sm_count
+from dsacache.ops.triton_utils import INTERPRET, check_launch, dependent_launch, l2_cache_bytes, \
+    shared_buffer_offset, sm_count
 
 #: Inline PTX where it exists (compiled CUDA); the interpreter and ROCm take the plain Triton ops.
 PTX_AVAILABLE = not INTERPRET and torch.version.hip is None
@@ -268,33 +270,35 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     buf_pos = torch.empty_like(buf_keys)
     cut = torch.empty(rows, dtype=torch.int32, device=device)
     shift = torch.empty_like(cut)
-    hist = torch.empty(rows, plan.bins, dtype=torch.int32, device=device)
     stride = logits.stride(0)
     common = dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=plan.bins)
     skip = {}
     if plan.first == "row":
         from dsacache.ops.topk.row_gluon import topk_row_kernel  # Gluon is imported only where it runs
 
+        args = (logits, lens, starts, out, cut, shift, seg.view(torch.int64), counts, buf_keys, buf_pos, stride,
+                window["width"], buf_keys.stride(0))
+        consts = dict(K=k, SAMPLES=cfg.samples, SAMPLE_RUN=cfg.sample_run, SAMPLE_BITS=cfg.sample_bits,
+                      SEG=cap // progs, LOAD=plan.load, CAP=cap, BINS=plan.bins, TIES=cfg.ties, V=vec,
+                      TILE_PTX=filter_tile_ptx(vec, "shared"), TILE_REGS=filter_tile_regs(vec, "shared"),
+                      AHEAD=plan.ahead, HAS_STARTS=window["HAS_STARTS"], EVICT=plan.evict, num_warps=progs, **pdl,
+                      **({"maxnreg": cfg.row_maxnreg} if cfg.row_maxnreg else {}))
         # It finishes every row itself: no Triton select after it.
-        topk_row_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
-                                 buf_keys, buf_pos, stride, window["width"], buf_keys.stride(0), K=k,
-                                 SAMPLES=cfg.samples, SAMPLE_RUN=cfg.sample_run, SAMPLE_BITS=cfg.sample_bits,
-                                 SEG=cap // progs, LOAD=plan.load, CAP=cap, BINS=plan.bins, TIES=cfg.ties, V=vec,
-                                 TILE_PTX=filter_tile_ptx(vec), TILE_REGS=filter_tile_regs(vec), AHEAD=plan.ahead,
-                                 HAS_STARTS=window["HAS_STARTS"], EVICT=plan.evict, num_warps=progs, **pdl,
-                                 **({"maxnreg": cfg.row_maxnreg} if cfg.row_maxnreg else {}))
+        topk_row_kernel[(rows,)](*args, _hist_offset(topk_row_kernel, (rows,), args, consts), **consts)
         return
+    hist = torch.empty(rows, plan.bins, dtype=torch.int32, device=device)
     _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, window, pdl, common)
     if plan.first == "gluon":
         from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel
 
         done = torch.empty(rows, dtype=torch.int32, device=device)
-        topk_select_ballot_kernel[(rows,)](lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
-                                           buf_keys, buf_pos, done, window["width"], buf_keys.stride(0),
-                                           SEG=cap // progs, LOAD=plan.load, CAP=cap, TIES=cfg.ties,
-                                           HAS_STARTS=window["HAS_STARTS"], PDL=pdl["PDL"],
-                                           num_warps=cfg.gluon_select_warps,
-                                           **({"launch_pdl": True} if pdl["PDL"] else {}), **common)
+        args = (logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts, buf_keys, buf_pos, done,
+                stride, window["width"], buf_keys.stride(0))
+        consts = dict(SEG=cap // progs, LOAD=plan.load, CAP=cap, TIES=cfg.ties, HAS_STARTS=window["HAS_STARTS"],
+                      PDL=pdl["PDL"], TILE=32 * vec, num_warps=cfg.gluon_select_warps,
+                      **({"launch_pdl": True} if pdl["PDL"] else {}), **common)
+        topk_select_ballot_kernel[(rows,)](*args, _hist_offset(topk_select_ballot_kernel, (rows,), args, consts),
+                                           **consts)
         skip = {"done_ptr": done, "SKIP_DONE": True}
     if skip and cfg.select == "gluon-only":
         return
@@ -307,20 +311,37 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
 def _launch_cutoff_and_filter(cfg: TopkConfig, plan: _Plan, logits: torch.Tensor, lens: torch.Tensor,
                               starts: torch.Tensor, cut: torch.Tensor, shift: torch.Tensor, hist: torch.Tensor,
                               seg: torch.Tensor, counts: torch.Tensor, window: dict, pdl: dict, common: dict) -> None:
-    """Steps 1 and 2 of the Triton path: the cut-off kernel, then the filter (dependent launch)."""
+    """Steps 1 and 2 of the Triton path: the cut-off kernel, then the filter (dependent launch).
+    Before the Gluon ballot select the filter does not count its candidates: that select does."""
     rows, k, vec = logits.shape[0], common["K"], plan.vec
+    count_hist = plan.first != "gluon"
     stride = logits.stride(0)
     topk_cutoff_kernel[(rows,)](logits, lens, starts, cut, shift, hist, stride, **window, K=k, SAMPLES=cfg.samples,
                                 SAMPLE_RUN=cfg.sample_run, BINS=cfg.bins, SAMPLE_BITS=cfg.sample_bits,
-                                num_warps=cfg.cutoff_warps, **pdl)
+                                ZERO_HIST=count_hist, num_warps=cfg.cutoff_warps, **pdl)
     tile = {"TILE_ASM": False}
     if PTX_AVAILABLE and vec in FILTER_TILE_V:
-        tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec), "TILE_REGS": filter_tile_regs(vec)}
+        at = "global" if count_hist else "none"
+        tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec, at), "TILE_REGS": filter_tile_regs(vec, at)}
     topk_filter_kernel[(plan.progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, stride, **window,
                                            SEG_CAP=plan.cap // plan.progs, V=vec, ALIGNED=_aligned(logits),
-                                           USE_ASM=PTX_AVAILABLE, AHEAD=plan.ahead, EVICT=plan.evict, num_warps=1,
+                                           USE_ASM=PTX_AVAILABLE, AHEAD=plan.ahead, EVICT=plan.evict,
+                                           COUNT=count_hist, num_warps=1,
                                            **tile, **pdl,
                                            **common)
+
+
+#: (kernel, device, constants) -> byte offset of the kernel's shared histogram (``hist_buf``)
+_HIST_OFFSETS: dict = {}
+
+
+def _hist_offset(kernel, grid: tuple, args: tuple, consts: dict) -> int:
+    """Where the compiler placed a Gluon kernel's shared histogram, found once per compiled variant."""
+    key = (kernel.fn.__name__, args[0].device, *sorted(consts.items()))
+    if key not in _HIST_OFFSETS:
+        compiled = kernel.warmup(*args, 0, grid=grid, **consts)
+        _HIST_OFFSETS[key] = shared_buffer_offset(compiled, "hist_buf")
+    return _HIST_OFFSETS[key]
 
 
 def launch_positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,

@@ -9,7 +9,9 @@ the same steps with a CTA barrier between them, which is faster for rows up to 3
    SAMPLE_BITS until the chosen bin is taken whole or holds few samples (as ``cutoff.py``);
 2. the filter: warp w scans slice w of the row (``filter.filter_slice`` with PROGS = W) with
    the filter's tile PTX (``filter.filter_tile_ptx``): candidates at or above the cut-off, in
-   position order, into segment w, and counted into the row's histogram;
+   position order, into segment w, and counted into the row's histogram in shared memory
+   (``red.shared``; Gluon has no shared-memory atomics, so the PTX addresses the buffer
+   ``hist_buf`` by the offset the compiler gave it, ``hist_smem``);
 3. the select: ``select_gluon.ballot_select`` over the W segments or, for a skewed row (some
    warp's slice kept more candidates than its segment loads), ``_rescan_select``: two more
    scans of each slice, one counting each warp's takes, one writing them.
@@ -23,8 +25,8 @@ kernel follows this one (a Triton select launched after it for the rare row it l
 It takes logits up to ``TopkConfig.row_max_len`` wide (``launch.py``): a longer row is
 streamed faster by the Triton filter's many one-warp programs spread over the SMs.
 The first filter tile is loaded before the samples are narrowed, so its latency hides behind
-that. Steps 1 and 2 write their outputs (cut-off, shift, histogram, segments, counts) to
-global scratch, where the select and the rescan read them back.
+that. Steps 1 and 2 write their outputs (cut-off, shift, segments, counts) to global scratch,
+where the select and the rescan read them back; the histogram stays in shared memory.
 Rows must be 16-byte aligned (the tile PTX loads 4 logits at once).
 """
 
@@ -34,16 +36,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsacache.ops.topk.cutoff import float_cut
-from dsacache.ops.topk.keys import key_to_float, sortable_key_not_nan
 from dsacache.ops.topk.select_gluon import _add, _bit_length, _candidate_bin, _candidate_bin_cut, \
-    _gdc_launch_dependents, _gdc_wait, _histogram_cut, _long_row, _row_window, _sortable_key, _taken, _tie_cut, \
-    _tie_cut_keeps, ballot_select, chosen_bin_prefix, fill_unused, radix_digits, radix_narrow
+    _gdc_launch_dependents, _gdc_wait, _histogram_cut, _key_to_float, _long_row, _row_window, _sortable_key, \
+    _sortable_key_not_nan, _taken, _tie_cut, _tie_cut_keeps, ballot_select, chosen_bin_prefix, fill_unused, \
+    histogram_buffer, radix_digits, radix_narrow, shared_address
 
 
-# The Triton path's scalar and elementwise rules, compiled by Gluon (they need no layout): one
-# definition of the key order and of the cut-off's rounding for both paths.
-_sortable_key_not_nan = gluon.jit(sortable_key_not_nan.fn)
-_key_to_float = gluon.jit(key_to_float.fn)
+# The Triton path's cut-off rounding, compiled by Gluon (it needs no layout): one definition for both paths.
 _float_cut = gluon.jit(float_cut.fn)
 
 
@@ -78,12 +77,13 @@ def _cutoff(row_ptr, start, n, K: gl.constexpr, SAMPLES: gl.constexpr, SAMPLE_RU
 
 
 @gluon.jit
-def _filter(row_ptr, x, col, start, hi, limit, tiles, cut, shift, seg, hist_row, TILE_PTX: gl.constexpr,
+def _filter(row_ptr, x, col, start, hi, limit, tiles, cut, shift, seg, hist_addr, TILE_PTX: gl.constexpr,
             TILE_REGS: gl.constexpr, V: gl.constexpr, SEG: gl.constexpr, BINS: gl.constexpr, AHEAD: gl.constexpr,
             EVICT: gl.constexpr = ""):
     """Step 2: each warp's candidates of its slice (up to ``hi``, ``tiles`` tiles) into its
-    segment ``seg``; ``x`` is the first tile (columns ``col``), already loaded; ``limit``
-    bounds the loads. Returns the candidates a warp found ([W], may exceed SEG)."""
+    segment ``seg``, counted into the shared histogram at ``hist_addr``; ``x`` is the first tile
+    (columns ``col``), already loaded; ``limit`` bounds the loads. Returns the candidates a warp
+    found ([W], may exceed SEG)."""
     W: gl.constexpr = gl.num_warps()
     TILE: gl.constexpr = 32 * V
     FL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
@@ -93,7 +93,7 @@ def _filter(row_ptr, x, col, start, hi, limit, tiles, cut, shift, seg, hist_row,
     cut_k = zero + cut.to(gl.int32, bitcast=True)
     shift_b = zero + shift
     seg_b = zero.to(gl.int64) + seg.to(gl.int64, bitcast=True)[:, None]
-    hist_b = zero.to(gl.int64) + hist_row.to(gl.int64, bitcast=True)
+    hist_b = zero + hist_addr
     cap = zero + SEG
     last = zero + (BINS - 1)
     counts = zero
@@ -203,7 +203,7 @@ def _narrow_scratch(tie_keys, tie_pos, in_bin, left, chosen, shift, n, BINS: gl.
 
 
 @gluon.jit
-def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, counts_ptr, tie_keys_ptr,
+def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_buf, counts_ptr, tie_keys_ptr,
                    tie_pos_ptr, row_stride, width, stride_tie, K: gl.constexpr, V: gl.constexpr, BINS: gl.constexpr,
                    TIES: gl.constexpr, BITS: gl.constexpr, SCRATCH: gl.constexpr, HAS_STARTS: gl.constexpr):
     """Step 3 for a row the ballot select leaves because some warp's slice kept more candidates
@@ -230,12 +230,11 @@ def _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr
     count = gl.load(counts_ptr + row * W + gl.arange(0, W, layout=gl.SliceLayout(1, FL)))
     cut = gl.load(cut_ptr + row).to(gl.uint32, bitcast=True)
     shift = gl.load(shift_ptr + row)
-    hist_row = hist_ptr + row.to(gl.int64) * BINS
     tie_keys = tie_keys_ptr + row.to(gl.int64) * stride_tie
     tie_pos = tie_pos_ptr + row.to(gl.int64) * stride_tie
     out_row = out_ptr + row.to(gl.int64) * K
     want = gl.minimum(n, K)
-    chosen, left, in_bin = _candidate_bin_cut(hist_row, want, BINS, W)
+    chosen, left, in_bin = _candidate_bin_cut(hist_buf, want, BINS, W)
     whole = left == in_bin
     taken = n * 0
     if (gl.sum(count, axis=0) >= want) & (whole | (in_bin <= SCRATCH)):
@@ -363,7 +362,7 @@ def _select_whole_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, row_stride, wid
     fill_unused(out_row, want, K, BLOCK, BL)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["hist_smem"])
 def topk_row_kernel(
     logits_ptr,       # [R, row_stride] fp32, rows 16-byte aligned
     lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
@@ -371,12 +370,12 @@ def topk_row_kernel(
     out_ptr,          # [R, K] int32
     cut_ptr,          # [R] int32 scratch: the cut-off key of each long row
     shift_ptr,        # [R] int32 scratch: log2 of the candidate histogram's bin width
-    hist_ptr,         # [R, BINS] int32 scratch: candidates a bin
     seg_ptr,          # [R, W, SEG] int64 scratch: pos << 32 | key of each warp's candidates, in order
     counts_ptr,       # [R, W] int32 scratch: candidates found by each warp (may exceed SEG)
     tie_keys_ptr,     # [R, stride_tie] int32 scratch: the chosen bin's candidates
     tie_pos_ptr,      # [R, stride_tie] int32 scratch
     row_stride, width, stride_tie,
+    hist_smem,        # byte offset of ``hist_buf`` in shared memory (triton_utils.shared_buffer_offset)
     K: gl.constexpr, SAMPLES: gl.constexpr, SAMPLE_RUN: gl.constexpr, SAMPLE_BITS: gl.constexpr,
     SEG: gl.constexpr, LOAD: gl.constexpr, CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr,
     V: gl.constexpr, TILE_PTX: gl.constexpr, TILE_REGS: gl.constexpr, AHEAD: gl.constexpr,
@@ -386,11 +385,11 @@ def topk_row_kernel(
     W: gl.constexpr = gl.num_warps()
     TILE: gl.constexpr = 32 * V
     FL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])  # tile PTX: runs of 4, a warp a slice
-    HL: gl.constexpr = gl.BlockedLayout([BINS // (32 * W)], [32], [W], [0])
     # A skewed row's chosen bin the rescan can cut past TIES candidates: 8 a thread (more spill at
     # the register cap), at most half the CAP + TIES slots of the tie scratch (the slot after them
     # is its counter).
     SCRATCH: gl.constexpr = min(CAP // 2, 256 * W)
+    hist_buf = histogram_buffer(BINS, W)  # the row's candidate histogram (a program a row: zeroed once)
     row = gl.program_id(0)
     if PDL:  # launched with PDL: nothing is read before the kernel before this one has finished
         _gdc_wait()
@@ -406,25 +405,23 @@ def topk_row_kernel(
         # in flight while the cut-off is found
         x = gl.load(row_ptr + col, mask=col < limit, other=0.0, eviction_policy=EVICT)
 
-        hist_row = hist_ptr + row.to(gl.int64) * BINS
-        gl.store(hist_row + gl.arange(0, BINS, layout=HL), gl.zeros([BINS], gl.int32, HL))
         cut, shift = _cutoff(row_ptr, start, n, K, SAMPLES, SAMPLE_RUN, SAMPLE_BITS, BINS)
         gl.store(cut_ptr + row, cut.to(gl.int32, bitcast=True))
         gl.store(shift_ptr + row, shift)
-        gl.thread_barrier()  # the zeroed histogram before any warp counts into it
+        gl.thread_barrier()  # the zeroed histogram before any warp counts into it (PTX the compiler does not see)
 
         seg_row = seg_ptr + row.to(gl.int64) * (W * SEG)
-        count = _filter(row_ptr, x, col, start, hi, limit, chunk // TILE, cut, shift, seg_row + warp * SEG, hist_row,
-                        TILE_PTX, TILE_REGS, V, SEG, BINS, AHEAD, EVICT)
+        count = _filter(row_ptr, x, col, start, hi, limit, chunk // TILE, cut, shift, seg_row + warp * SEG,
+                        shared_address(row * 0 + hist_smem), TILE_PTX, TILE_REGS, V, SEG, BINS, AHEAD, EVICT)
         gl.store(counts_ptr + row * W + warp, count)
         gl.thread_barrier()  # every warp's candidates, counts and histogram counts before the select
 
-        fast = ballot_select(n, cut, shift, hist_row, seg_row, counts_ptr + row * W,
+        fast = ballot_select(n, cut, shift, hist_buf, seg_row, counts_ptr + row * W,
                              tie_keys_ptr + row.to(gl.int64) * stride_tie, tie_pos_ptr + row.to(gl.int64) * stride_tie,
                              out_ptr + row.to(gl.int64) * K, K, W, SEG, LOAD, CAP, BINS, TIES, SAMPLE_BITS, True)
         taken = fast.to(gl.int32)
         if taken == 0:  # a skewed row: its takes found by scanning the slices again
-            taken = _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, counts_ptr,
+            taken = _rescan_select(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_buf, counts_ptr,
                                    tie_keys_ptr, tie_pos_ptr, row_stride, width, stride_tie, K, V, BINS, TIES,
                                    SAMPLE_BITS, SCRATCH, HAS_STARTS)
     if taken == 0:  # a short row, a missed cut-off, a skewed row with heavy ties

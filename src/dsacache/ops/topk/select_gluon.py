@@ -14,6 +14,12 @@ slot, so:
   scratch buffer and ranked pairwise on (distance, position), as in the Triton kernel;
 * every taken position is written in position order, as the Triton kernel does, so the
   output is the same, element for element.
+* the row's candidate histogram lives in shared memory (``histogram_buffer``): the row
+  kernel's filter counts into it, the ballot kernel counts the candidates it loads. Gluon has
+  no shared-memory atomics, so PTX ``red.shared`` adds to the buffer at the offset the
+  compiler gave it (``triton_utils.shared_buffer_offset``, passed in as ``hist_smem``).
+  Global atomics a candidate cost an L2 transaction each and made the filter the slower
+  (docs/benchmarks.md, "Top-k 2048").
 
 It handles the common row only: a long row whose cut-off kept between k and CAP
 candidates and no segment fuller than LOAD, and a chosen bin taken whole or holding at most
@@ -30,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsacache.ops.topk.cutoff import bit_length
-from dsacache.ops.topk.keys import sortable_key
+from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
 from dsacache.ops.topk.rows import long_row, row_window
 
 # (candidates in the chunk, lanes before this one holding one) from a 0/1 flag a lane.
@@ -46,11 +52,24 @@ popc.b32 $1, lt;
 }""")
 
 
+# hist[$2] += 1 in shared memory where $3 is not 0 ($1: the histogram's shared-memory address).
+_COUNT_SHARED_ASM = gl.constexpr("""{
+.reg .pred p;
+.reg .b32 a;
+setp.ne.s32 p, $3, 0;
+mad.lo.u32 a, $2, 4, $1;
+@p red.shared.add.u32 [a], 1;
+mov.b32 $0, 0;
+}""")
+
+
 # A row's window and whether it is long: the Triton path's rules, compiled by Gluon.
 _row_window = gluon.jit(row_window.fn)
 _long_row = gluon.jit(long_row.fn)
 _bit_length = gluon.jit(bit_length.fn)
 _sortable_key = gluon.jit(sortable_key.fn)
+_sortable_key_not_nan = gluon.jit(sortable_key_not_nan.fn)
+_key_to_float = gluon.jit(key_to_float.fn)
 
 
 @gluon.jit
@@ -112,24 +131,52 @@ def _taken(bin_, dist, pos, chosen, cut_d, cut_p):
 
 
 @gluon.jit
-def _candidate_bin_cut(hist_row, want, BINS: gl.constexpr, W: gl.constexpr):
-    """``_histogram_cut`` of the row's candidate histogram (``hist_row`` [BINS]) with one CTA
-    barrier: warp w sums bins [w BINS / W, (w + 1) BINS / W); every thread takes the W sums to
-    find the warp range holding the want-th largest; each warp then loads that range again
-    and cuts it with warp-local scans. (``_histogram_cut`` over all BINS takes a CTA-wide
+def shared_address(offset):
+    """The shared-memory address of the buffer at byte ``offset`` of the kernel's shared memory
+    (``triton_utils.shared_buffer_offset``), for PTX that updates it."""
+    return gl.inline_asm_elementwise("mov.u32 $0, global_smem;\nadd.u32 $0, $0, $1;", "=r,r", [offset],
+                                     dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def histogram_buffer(BINS: gl.constexpr, W: gl.constexpr):
+    """A zeroed candidate histogram in shared memory, [W, BINS / W] (bin b at row b // (BINS / W),
+    byte 4 b), for ``_candidate_bin_cut``. Assign it to ``hist_buf``: the launcher finds its
+    offset by that name (``launch._hist_offset``)."""
+    PER: gl.constexpr = BINS // W
+    L2: gl.constexpr = gl.BlockedLayout([1, PER // 32], [1, 32], [W, 1], [1, 0])
+    return gl.allocate_shared_memory(gl.int32, [W, PER], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+                                     gl.zeros([W, PER], gl.int32, L2))
+
+
+@gluon.jit
+def count_bins_shared(address, bins, flag):
+    """Count each ``bins`` value where ``flag`` into the shared-memory histogram at ``address``
+    (one ``red.shared`` a value; the caller's barrier makes the counts visible)."""
+    gl.inline_asm_elementwise(_COUNT_SHARED_ASM, "=r,r,r,r", [gl.zeros_like(bins) + address, bins, flag.to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _candidate_bin_cut(hist_buf, want, BINS: gl.constexpr, W: gl.constexpr):
+    """``_histogram_cut`` of the row's candidate histogram (``histogram_buffer``, in shared memory)
+    with one CTA barrier: warp w sums bins [w BINS / W, (w + 1) BINS / W); every thread takes the
+    W sums to find the warp range holding the want-th largest; each warp then loads that range
+    again and cuts it with warp-local scans. (``_histogram_cut`` over all BINS takes a CTA-wide
     reduction or scan, each with its barriers, for every one of its five steps.)"""
     PER: gl.constexpr = BINS // W
     L2: gl.constexpr = gl.BlockedLayout([1, PER // 32], [1, 32], [W, 1], [1, 0])   # warp w: range w
     WL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])                      # all W sums in each thread
-    RL: gl.constexpr = gl.BlockedLayout([PER // 32], [32], [W], [0])               # one range in each warp
-    rng = gl.arange(0, W, layout=gl.SliceLayout(1, L2))
-    hist = gl.load(hist_row + rng[:, None] * PER + gl.arange(0, PER, layout=gl.SliceLayout(0, L2))[None, :])
-    sums = gl.convert_layout(gl.sum(hist, axis=1), WL)
+    P2: gl.constexpr = gl.BlockedLayout([1, PER // 32], [1, 32], [W, 1], [1, 0])   # one range in each warp
+    RL: gl.constexpr = gl.BlockedLayout([PER // 32], [32], [W], [0])               # the same, 1-D
+    sums = gl.convert_layout(gl.sum(hist_buf.load(L2), axis=1), WL)
     w = gl.arange(0, W, layout=WL)
     above = gl.sum(sums, axis=0) - gl.associative_scan(sums, 0, _add)   # in the ranges after w
     chosen_w = gl.maximum(gl.sum((above + sums >= want).to(gl.int32), axis=0) - 1, 0)
     above_w = gl.sum(gl.where(w == chosen_w, above, 0), axis=0)
-    part = gl.load(hist_row + chosen_w * PER + gl.arange(0, PER, layout=RL))
+    # [W, 1, PER]: indexing the leading dimension needs a layout of one rank less
+    ranges = hist_buf._reinterpret(gl.int32, [W, 1, PER], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    part = gl.convert_layout(gl.sum(ranges.index(chosen_w).load(P2), axis=0), RL)  # no data moves
     within, left, in_bin = _histogram_cut(part, want - above_w, RL)
     return chosen_w * PER + within, left, in_bin
 
@@ -228,13 +275,16 @@ def _narrow_chosen_bin(seg_row, counts_row, cut, shift, chosen, left, in_bin, PR
 
 
 @gluon.jit
-def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_pos, out_row,
+def ballot_select(n, cut, shift, hist_buf, seg_row, counts_row, tie_keys, tie_pos, out_row,
                   K: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr, CAP: gl.constexpr,
-                  BINS: gl.constexpr, TIES: gl.constexpr, BITS: gl.constexpr, NARROW: gl.constexpr):
+                  BINS: gl.constexpr, TIES: gl.constexpr, BITS: gl.constexpr, NARROW: gl.constexpr,
+                  COUNT: gl.constexpr = False, hist_addr=0):
     """The exact top ``min(n, K)`` of one long row from its filtered candidates, written to
     ``out_row`` in position order, if the row is a common one; returns whether it was.
 
-    ``cut`` / ``shift``: the row's (lowered) cut-off key and bin shift; ``hist_row`` [BINS],
+    ``cut`` / ``shift``: the row's (lowered) cut-off key and bin shift; ``hist_buf``: the row's
+    candidate histogram in shared memory (``histogram_buffer``), which, with COUNT, this counts
+    first from the candidates it loads (at ``hist_addr``), else the filter counted;
     ``seg_row`` [PROGS, SEG] int64 (pos << 32 | key) and ``counts_row`` [PROGS]: what the
     filter wrote, complete and visible to this program; ``tie_keys`` / ``tie_pos``: TIES
     slots of scratch. A chosen bin of at most TIES candidates is ranked pairwise, a fuller one
@@ -254,7 +304,11 @@ def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_po
     count = gl.load(counts_row + seg_of)
     want = gl.minimum(n, K)
     total = gl.sum(count, axis=0) // CPS           # each segment's count is held by its CPS chunks
-    chosen, left, in_bin = _candidate_bin_cut(hist_row, want, BINS, W)
+    if COUNT:  # the filter did not count: the loaded candidates into the shared histogram
+        count_bins_shared(hist_addr, _candidate_bin(pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut, shift, BINS),
+                          slot < count[:, None])
+        gl.thread_barrier()
+    chosen, left, in_bin = _candidate_bin_cut(hist_buf, want, BINS, W)
     fast = (total >= want) & (total <= CAP) & (gl.max(count, axis=0) <= LOAD)
     if not NARROW:
         fast = fast & ((left == in_bin) | (in_bin <= TIES))
@@ -289,36 +343,106 @@ def ballot_select(n, cut, shift, hist_row, seg_row, counts_row, tie_keys, tie_po
 
 
 @gluon.jit
+def _count_left_row(row_ptr, start, n, cut, shift, hist_buf, hist_addr, hist_row, seg_row, counts_row,
+                    K: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr, CAP: gl.constexpr,
+                    BINS: gl.constexpr, TILE: gl.constexpr):
+    """For a long row ``ballot_select`` (with COUNT) left: the rest of its candidate histogram into
+    the shared ``hist_buf``, then all of it to ``hist_row`` (global) for the Triton select, unless
+    that select takes the row without it (fewer than k or more than CAP candidates).
+
+    ``ballot_select`` counted the first LOAD slots of each segment; the slots past them are
+    counted here. Where a segment overflowed (more than SEG candidates, not all of them stored)
+    the histogram is counted again from nothing: the stored segments from their slots, the
+    overflowed ones from their slices of the row (the filter's slices, ``filter.filter_slice``,
+    of whole TILE-column tiles). Shared-memory counts: rows of heavy ties put most candidates
+    in one bin, which global atomics serialize on."""
+    W: gl.constexpr = gl.num_warps()
+    BLOCK: gl.constexpr = 4 * 32 * W
+    BL: gl.constexpr = gl.BlockedLayout([4], [32], [W], [0])
+    PL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    PER: gl.constexpr = BINS // W
+    L2: gl.constexpr = gl.BlockedLayout([1, PER // 32], [1, 32], [W, 1], [1, 0])
+    counts = gl.load(counts_row + gl.arange(0, PROGS, layout=PL))
+    total = gl.sum(counts, axis=0)
+    if (total >= gl.minimum(n, K)) & (total <= CAP):
+        over = gl.max(counts, axis=0) > SEG
+        first_slot = gl.where(over, 0, LOAD)
+        if over:
+            hist_buf.store(gl.zeros([W, PER], gl.int32, L2))
+            gl.thread_barrier()  # zeroed before any thread counts
+        lanes = gl.arange(0, BLOCK, layout=BL)
+        for b in range(CAP // BLOCK):
+            i = b * BLOCK + lanes
+            found = gl.load(counts_row + i // SEG)
+            live = (i % SEG >= first_slot) & (i % SEG < found) & (found <= SEG)
+            key = gl.load(seg_row + i, mask=live, other=0).to(gl.int32)
+            count_bins_shared(hist_addr, _candidate_bin(key.to(gl.uint32, bitcast=True) - cut, shift, BINS), live)
+        if over:
+            cut_f = _key_to_float(cut)
+            end = start + n
+            first = (start // TILE) * TILE
+            chunk = gl.cdiv(gl.cdiv(end - first, PROGS), TILE) * TILE
+            for p in range(PROGS):
+                if gl.load(counts_row + p) > SEG:
+                    lo = gl.maximum(first + p * chunk, start)
+                    hi = gl.minimum(first + (p + 1) * chunk, end)
+                    for c in range(gl.cdiv(hi - lo, BLOCK)):
+                        col = lo + c * BLOCK + lanes
+                        x = gl.load(row_ptr + col, mask=col < hi, other=0.0)
+                        keep = (col < hi) & (x >= cut_f)
+                        dist = _sortable_key_not_nan(gl.where(keep, x, 0.0)) - cut
+                        count_bins_shared(hist_addr, _candidate_bin(dist, shift, BINS), keep)
+        gl.thread_barrier()  # every count before the histogram is read
+        rng = gl.arange(0, W, layout=gl.SliceLayout(1, L2))[:, None] * PER
+        gl.store(hist_row + rng + gl.arange(0, PER, layout=gl.SliceLayout(0, L2))[None, :], hist_buf.load(L2))
+
+
+@gluon.jit(do_not_specialize=["hist_smem"])
 def topk_select_ballot_kernel(
+    logits_ptr,       # [R, row_stride] fp32 (read only for a row left with an overflowed segment)
     lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
     starts_ptr,       # [R] int32 or int64 first valid columns (clamped here)
     out_ptr,          # [R, K] int32
     cut_ptr,          # [R] int32 (from topk_cutoff_kernel)
     shift_ptr,        # [R] int32
-    hist_ptr,         # [R, BINS] int32 (from topk_filter_kernel)
+    hist_ptr,         # [R, BINS] int32 out: the candidate histogram of each row left to the Triton select
     seg_ptr,          # [R, PROGS, SEG] int64 (from topk_filter_kernel): pos << 32 | key
     counts_ptr,       # [R, PROGS] int32
     tie_keys_ptr,     # [R, stride_tie] int32 scratch: the chosen bin's candidates
     tie_pos_ptr,      # [R, stride_tie] int32 scratch
     done_ptr,         # [R] int32 out: 1 where this kernel selected the row
-    width, stride_tie,
+    row_stride, width, stride_tie,
+    hist_smem,        # byte offset of ``hist_buf`` in shared memory (triton_utils.shared_buffer_offset)
     K: gl.constexpr, SAMPLES: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr,
     CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr, HAS_STARTS: gl.constexpr, PDL: gl.constexpr,
+    TILE: gl.constexpr,  # the filter's tile (its slices are whole tiles)
 ):
     """Step 3 of the three-kernel path on Hopper: one program a row, ``ballot_select`` after
-    the Triton filter (launched with PDL: it waits for the filter's grid first)."""
+    the Triton filter (launched with PDL: it waits for the filter's grid first). The filter
+    does not count its candidates here (its histogram atomics were L2 transactions a
+    candidate): this kernel counts them in shared memory, and writes the histogram of a row
+    it leaves for the Triton select (``_count_left_row``)."""
+    W: gl.constexpr = gl.num_warps()
+    hist_buf = histogram_buffer(BINS, W)  # the row's candidate histogram (a program a row: zeroed once)
     row = gl.program_id(0)
     if PDL:
         _gdc_wait()
         _gdc_launch_dependents()  # the Triton select (rows left to it) waits for this grid anyway
-    _, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
+    start, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
     taken = n * 0
     if _long_row(n, K, SAMPLES):
         cut = gl.load(cut_ptr + row).to(gl.uint32, bitcast=True)
-        fast = ballot_select(n, cut, gl.load(shift_ptr + row), hist_ptr + row.to(gl.int64) * BINS,
-                             seg_ptr + row.to(gl.int64) * (PROGS * SEG), counts_ptr + row * PROGS,
+        shift = gl.load(shift_ptr + row)
+        seg_row = seg_ptr + row.to(gl.int64) * (PROGS * SEG)
+        hist_addr = shared_address(row * 0 + hist_smem)
+        fast = ballot_select(n, cut, shift, hist_buf, seg_row, counts_ptr + row * PROGS,
                              tie_keys_ptr + row.to(gl.int64) * stride_tie, tie_pos_ptr + row.to(gl.int64) * stride_tie,
-                             out_ptr + row.to(gl.int64) * K, K, PROGS, SEG, LOAD, CAP, BINS, TIES, 0, False)
+                             out_ptr + row.to(gl.int64) * K, K, PROGS, SEG, LOAD, CAP, BINS, TIES, 0, False, True,
+                             hist_addr)
+        if not fast:
+            _count_left_row(logits_ptr + row.to(gl.int64) * row_stride, start, n, cut, shift, hist_buf, hist_addr,
+                            hist_ptr + row.to(gl.int64) * BINS, seg_row, counts_ptr + row * PROGS, K, PROGS, SEG,
+                            LOAD, CAP, BINS, TILE)
         taken = fast.to(gl.int32)
     gl.store(done_ptr + row, taken)
 
