@@ -230,11 +230,10 @@ def filter_tile_ptx(v: int, hist: str = "global") -> str:
     """
     if hist not in ("global", "shared", "none"):
         raise ValueError(f"hist={hist!r}; allowed: 'global', 'shared', 'none'")
-    hist_at = hist  # the operand indices below reuse the name
     runs = v // 4
     out = lambda i: f"${i}"                      # noqa: E731
     arg = lambda k, i=0: f"${v + k * v + i}"     # noqa: E731
-    x, pos, count, cutf, span, cut, shift, seg, hist, cap, last = range(11)
+    x, pos, count, cutf, span, cut, shift, seg, hist_arg, cap, last = range(11)
     offset = lambda i: 128 * (i // 4) + i % 4    # noqa: E731  (column of value i from the lane's first)
     index_bits = (v - 1).bit_length()            # bits of a value's index in the lane: the select tree's depth
     lines = ["{", f".reg .pred q, y, {', '.join(f'k{i}' for i in range(v))}, {', '.join(f's{b}' for b in range(4))};",
@@ -280,10 +279,10 @@ def filter_tile_ptx(v: int, hist: str = "global") -> str:
               4: ["selp.b32 t, b1, b0, s2;", "selp.b32 u, b3, b2, s2;", "selp.b32 u, u, t, s3;"]}[runs]
     lines += [f"setp.lt.and.s32 q, u, {arg(cap)}, y;", f"mad.wide.s32 a, u, 8, {arg(seg)};",
               "@q st.global.v2.b32 [a], {key, p};"]
-    if hist_at == "shared":
-        lines += [f"mad.lo.u32 t, bin, 4, {arg(hist)};", "@y red.shared.add.u32 [t], 1;"]
-    elif hist_at == "global":
-        lines += [f"mad.wide.u32 a, bin, 4, {arg(hist)};", "@y red.global.add.u32 [a], 1;"]
+    if hist == "shared":
+        lines += [f"mad.lo.u32 t, bin, 4, {arg(hist_arg)};", "@y red.shared.add.u32 [t], 1;"]
+    elif hist == "global":
+        lines += [f"mad.wide.u32 a, bin, 4, {arg(hist_arg)};", "@y red.global.add.u32 [a], 1;"]
     lines += ["shr.u32 t, j, 2;"]
     for r in range(runs):
         lines += [f"setp.eq.and.u32 q, t, {r}, y;", f"@q add.u32 b{r}, b{r}, 1;"]

@@ -138,15 +138,19 @@ def shared_address(offset):
                                      dtype=gl.int32, is_pure=True, pack=1)
 
 
+@gluon.constexpr_function
+def _histogram_layout(bins, warps):
+    """The candidate histogram [W, BINS / W] in registers: warp w holds bins [w BINS / W, (w + 1) BINS / W)."""
+    return gl.BlockedLayout([1, bins // warps // 32], [1, 32], [warps, 1], [1, 0])
+
+
 @gluon.jit
 def histogram_buffer(BINS: gl.constexpr, W: gl.constexpr):
     """A zeroed candidate histogram in shared memory, [W, BINS / W] (bin b at row b // (BINS / W),
     byte 4 b), for ``_candidate_bin_cut``. Assign it to ``hist_buf``: the launcher finds its
     offset by that name (``launch._hist_offset``)."""
-    PER: gl.constexpr = BINS // W
-    L2: gl.constexpr = gl.BlockedLayout([1, PER // 32], [1, 32], [W, 1], [1, 0])
-    return gl.allocate_shared_memory(gl.int32, [W, PER], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
-                                     gl.zeros([W, PER], gl.int32, L2))
+    return gl.allocate_shared_memory(gl.int32, [W, BINS // W], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+                                     gl.zeros([W, BINS // W], gl.int32, _histogram_layout(BINS, W)))
 
 
 @gluon.jit
@@ -165,10 +169,9 @@ def _candidate_bin_cut(hist_buf, want, BINS: gl.constexpr, W: gl.constexpr):
     again and cuts it with warp-local scans. (``_histogram_cut`` over all BINS takes a CTA-wide
     reduction or scan, each with its barriers, for every one of its five steps.)"""
     PER: gl.constexpr = BINS // W
-    L2: gl.constexpr = gl.BlockedLayout([1, PER // 32], [1, 32], [W, 1], [1, 0])   # warp w: range w
+    L2: gl.constexpr = _histogram_layout(BINS, W)                                 # warp w: range w
     WL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])                      # all W sums in each thread
-    P2: gl.constexpr = gl.BlockedLayout([1, PER // 32], [1, 32], [W, 1], [1, 0])   # one range in each warp
-    RL: gl.constexpr = gl.BlockedLayout([PER // 32], [32], [W], [0])               # the same, 1-D
+    RL: gl.constexpr = gl.BlockedLayout([PER // 32], [32], [W], [0])               # one range in each warp
     sums = gl.convert_layout(gl.sum(hist_buf.load(L2), axis=1), WL)
     w = gl.arange(0, W, layout=WL)
     above = gl.sum(sums, axis=0) - gl.associative_scan(sums, 0, _add)   # in the ranges after w
@@ -176,7 +179,7 @@ def _candidate_bin_cut(hist_buf, want, BINS: gl.constexpr, W: gl.constexpr):
     above_w = gl.sum(gl.where(w == chosen_w, above, 0), axis=0)
     # [W, 1, PER]: indexing the leading dimension needs a layout of one rank less
     ranges = hist_buf._reinterpret(gl.int32, [W, 1, PER], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    part = gl.convert_layout(gl.sum(ranges.index(chosen_w).load(P2), axis=0), RL)  # no data moves
+    part = gl.convert_layout(gl.sum(ranges.index(chosen_w).load(L2), axis=0), RL)  # [1, PER] a warp: no moves
     within, left, in_bin = _histogram_cut(part, want - above_w, RL)
     return chosen_w * PER + within, left, in_bin
 
@@ -361,7 +364,7 @@ def _count_left_row(row_ptr, start, n, cut, shift, hist_buf, hist_addr, hist_row
     BL: gl.constexpr = gl.BlockedLayout([4], [32], [W], [0])
     PL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     PER: gl.constexpr = BINS // W
-    L2: gl.constexpr = gl.BlockedLayout([1, PER // 32], [1, 32], [W, 1], [1, 0])
+    L2: gl.constexpr = _histogram_layout(BINS, W)
     counts = gl.load(counts_row + gl.arange(0, PROGS, layout=PL))
     total = gl.sum(counts, axis=0)
     if (total >= gl.minimum(n, K)) & (total <= CAP):
