@@ -79,9 +79,10 @@ class TopkConfig:
     row_bins: int | None = None
     #: one-warp filter programs a row (None: about 32 an SM in all, ``filter_programs``)
     progs: int | None = None
-    #: logits a lane a filter step (None: 4 for logits larger than L2, which stream from DRAM, else 8)
+    #: logits a lane a filter step (None: 8; since the filter no longer counts candidates in L2, 4 is slower
+    #: also where the logits stream from DRAM: its fixed cost a tile is then what bounds the scan)
     vec: int | None = None
-    #: filter tiles loaded ahead of the one scanned, 1 or 2 (None: 2 for logits larger than L2, else 1)
+    #: filter tiles loaded ahead of the one scanned, 1 or 2 (None: 1; 2 was no faster at 8 logits a lane)
     ahead: int | None = None
     #: candidate slots of each segment the select loads first (None: ``select_first_load``)
     load: int | None = None
@@ -179,7 +180,7 @@ def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int) -> _Plan:
     cap = cfg.cap or max(128, triton.next_power_of_2(CANDIDATES_PER_K * k))
     l2_bytes = l2_cache_bytes(logits.device)
     streamed = l2_bytes is not None and rows * logits.stride(0) * logits.element_size() > l2_bytes
-    vec = cfg.vec or (4 if streamed else 8)
+    vec = cfg.vec or 8
     gluon = _gluon_allowed(cfg, logits)
     row_bins = cfg.row_bins or (1024 if rows > num_sms else cfg.bins)
     row = gluon and width <= cfg.row_max_len and _row_kernel_fits(cfg, logits, cap, vec, row_bins)
@@ -193,7 +194,7 @@ def _plan(cfg: TopkConfig, logits: torch.Tensor, k: int) -> _Plan:
         first = "gluon"
     else:
         first = "triton"
-    return _Plan(cap=cap, progs=progs, load=load, vec=vec, ahead=cfg.ahead or (2 if streamed else 1),
+    return _Plan(cap=cap, progs=progs, load=load, vec=vec, ahead=cfg.ahead or 1,
                  select_warps=cfg.select_warps or (8 if rows <= num_sms else 16),
                  bins=row_bins if first == "row" else cfg.bins, evict="evict_first" if streamed else "",
                  first=first)
