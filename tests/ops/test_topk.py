@@ -349,6 +349,9 @@ def test_topk_refuses_an_unknown_impl_or_launch_setting():
         TopkConfig(row_bins=1000)
     with pytest.raises(ValueError, match="bins=16; allowed"):
         TopkConfig(bins=16)
+    for cap in (64, 3000, 32768):
+        with pytest.raises(ValueError, match=f"cap={cap}; allowed: a power of two from 128 to 16384"):
+            TopkConfig(cap=cap)
     with pytest.raises(ValueError, match="short_warps=12; allowed"):
         TopkConfig(short_warps=12)
 

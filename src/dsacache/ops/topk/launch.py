@@ -51,6 +51,9 @@ CANDIDATES_PER_K = 4
 RADIX_BITS = 4
 #: The values of ``TopkConfig.select``.
 SELECTS = ("gluon", "triton", "gluon-only")
+#: Largest candidate buffer a row: the Triton select's tiles over 32768 candidates need more shared
+#: memory than an H200 SM has (the default for the largest k, 4096, is 16384).
+MAX_CAP = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +72,7 @@ class TopkConfig:
     sample_bits: int = 5
     #: warps of the cut-off kernel's one program a row (the samples in registers, 8 a thread)
     cutoff_warps: int = 8
-    #: candidate buffer a row, a power of two (None: CANDIDATES_PER_K * k)
+    #: candidate buffer a row, a power of two from 128 to MAX_CAP (None: CANDIDATES_PER_K * k)
     cap: int | None = None
     #: candidate histogram bins: fine enough that the chosen bin rarely holds more than ``ties``
     bins: int = 2048
@@ -127,6 +130,8 @@ class TopkConfig:
         if self.short_max_len < 0 or self.short_warps < 1 or self.short_warps & (self.short_warps - 1):
             raise ValueError(f"short_max_len={self.short_max_len}, short_warps={self.short_warps}; allowed: "
                              "short_max_len >= 0 (0: no short-row kernel), short_warps a power of two")
+        if self.cap is not None and (self.cap < 128 or self.cap > MAX_CAP or self.cap & (self.cap - 1)):
+            raise ValueError(f"cap={self.cap}; allowed: a power of two from 128 to {MAX_CAP}, or None")
         for name in ("bins", "row_bins"):
             value = getattr(self, name)
             if value is not None and (value < 32 or value & (value - 1)):
