@@ -660,20 +660,24 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from dsacache.ops.indexer_logits.decode_gluon import paged_decode_mxfp4_kernel as kernel
 
-for heads, next_n, rows, rows2, per_row in ((32, 1, 1, 0, False), (64, 2, 2, 0, True), (32, 3, 4, 0, True),
-                                           (32, 3, 2, 1, True), (128, 1, 1, 0, False)):
+for heads, next_n, rows, rows2, per_row, pairs in ((32, 1, 1, 0, False, True), (32, 1, 1, 0, True, False),
+                                                  (64, 2, 2, 0, True, False), (32, 3, 4, 0, True, False),
+                                                  (32, 3, 2, 1, True, False), (128, 1, 1, 0, False, False)):
     signature = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", lens_ptr="*i32", pages_ptr="*u8", bt_ptr="*i32",
                      out_ptr="*fp32", num_pages="i32", max_blocks="i32", bt_stride="i32", page_stride="i32",
                      max_model_len="i32", out_stride="i32")
-    constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=per_row, TILES=16, ROWS2=rows2)
+    constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=per_row, TILES=16, ROWS2=rows2, PAIRS=pairs)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
     ptx = compiled.asm["ptx"]
     assert "prmt.b32" in ptx and compiled.asm["cubin"]
-    # Score products on the decoded keys (one or two), then the head sums, as in the FP8 kernel.
-    assert ptx.count(f"m64n{rows * heads}k32") == 4 and ptx.count(f"m64n{rows2 * heads}k32") == 4 * (rows2 > 0)
-    assert ptx.count("m64n8k16") == (rows + rows2) * heads // 16
+    # Score products on the decoded keys (one or two), then the head sums, as in the FP8 kernel; two
+    # pages an iteration (PAIRS) and the odd last page: three copies of the page's code.
+    copies = 3 if pairs else 1
+    assert ptx.count(f"m64n{rows * heads}k32") == 4 * copies
+    assert ptx.count(f"m64n{rows2 * heads}k32") == 4 * (rows2 > 0) * copies
+    assert ptx.count("m64n8k16") == (rows + rows2) * heads // 16 * copies
 print("built")
 """
     assert "built" in run_compiled_script(script)

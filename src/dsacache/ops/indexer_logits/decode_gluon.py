@@ -22,7 +22,9 @@ weights:
   wgmma A operand wants them (thread ``4 g + c`` of a warp: token rows ``g`` and ``g + 8``,
   group ``c`` of each); page t + 1's words and scales load while page t is scored and page
   t + 2 is copied into L2 by one bulk prefetch, so no load latency sits inside a page (the
-  program's block-table entries are read into shared memory once, ``_block_entries``);
+  program's block-table entries are read into shared memory once, ``_block_entries``); for
+  narrow products (``PAIRS``) the loop takes two pages an iteration, which spares ptxas the
+  register copies of a loop-carried page;
 * the group scales are loaded the same way (a byte a row), their per-token maximum is a
   reduction over the 4 lanes of a quad;
 * rows past a request's length and unreadable pages are masked at the store; a page that is
@@ -222,6 +224,7 @@ def paged_decode_mxfp4_kernel(
     num_pages, max_blocks, bt_stride, page_stride, max_model_len, out_stride,
     NEXT_N: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr, TILES: gl.constexpr,
     ROWS2: gl.constexpr = 0,  # query rows of a second score product after the ROWS of the first (0: none)
+    PAIRS: gl.constexpr = False,  # two pages an iteration (launch.py: for narrow products only)
 ):
     PAGE: gl.constexpr = 64
     MMA: gl.constexpr = _score_mma_layout(ROWS * H)
@@ -250,13 +253,30 @@ def paged_decode_mxfp4_kernel(
     base_a, ok_a = _page_base(_entry(entries, 0), *pages)
     words_a, scales_a = _load_page(base_a, offs)
     base_b, ok_b = _page_base(_entry(entries, 1), *pages)
-    for t in range(num_scored):
-        words, scales, ok = words_a, scales_a, ok_a
-        words_a, scales_a = _load_page(base_b, offs)
-        ok_a = ok_b
-        base_b, ok_b = _page_base(_entry(entries, t + 2), *pages)
-        _prefetch_l2(base_b)
-        _score_page(words, scales, ok, t * PAGE, zeros, operands, ROWS2 > 0, *out_args)
+    if PAIRS:
+        # Two pages an iteration, each in its own registers: with one, ptxas copies the
+        # loop-carried words and pointers into place every page.
+        for t in range(0, num_scored - 1, 2):
+            words_b, scales_b = _load_page(base_b, offs)
+            base_c, ok_c = _page_base(_entry(entries, t + 2), *pages)
+            _prefetch_l2(base_c)
+            _score_page(words_a, scales_a, ok_a, t * PAGE, zeros, operands, ROWS2 > 0, *out_args)
+            words_a, scales_a = _load_page(base_c, offs)
+            ok_page = ok_b
+            base_b, ok_b = _page_base(_entry(entries, t + 3), *pages)
+            _prefetch_l2(base_b)
+            _score_page(words_b, scales_b, ok_page, (t + 1) * PAGE, zeros, operands, ROWS2 > 0, *out_args)
+            ok_a = ok_c
+        if num_scored % 2 == 1:
+            _score_page(words_a, scales_a, ok_a, (num_scored - 1) * PAGE, zeros, operands, ROWS2 > 0, *out_args)
+    else:
+        for t in range(num_scored):
+            words, scales, ok = words_a, scales_a, ok_a
+            words_a, scales_a = _load_page(base_b, offs)
+            ok_a = ok_b
+            base_b, ok_b = _page_base(_entry(entries, t + 2), *pages)
+            _prefetch_l2(base_b)
+            _score_page(words, scales, ok, t * PAGE, zeros, operands, ROWS2 > 0, *out_args)
     _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)
 
 

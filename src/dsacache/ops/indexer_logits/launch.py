@@ -59,6 +59,10 @@ MXFP4_DECODE_CONFIG: dict = {
     "maxnreg_cols": 32,    # the cap helps at H = 32 and hurts at H = 64
     "maxnreg_rows": None,  # no cap with several rows
     "kernel": "gluon",     # Gluon on Hopper at every next_n: far fewer instructions a page than the Triton decode
+    "gluon_pair_columns": 32,  # Gluon: two pages an iteration up to this many product columns (H = 32, next_n 1):
+                               # ptxas then keeps no per-page register copies, 169 instead of 182 instructions a
+                               # page and warp at 64 registers (8 programs an SM); wider products took 10-12
+                               # registers more, a program an SM fewer, and were slower (docs/benchmarks.md)
 }
 #: Ragged prefill settings.
 PREFILL_CONFIG = {
@@ -217,7 +221,8 @@ def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_t
         q, weights, context_lens, values, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
         out.stride(0), NEXT_N=next_n, ROWS=rows, H=num_heads,
-        PER_ROW=context_lens.dim() == 2, TILES=tiles, ROWS2=rows2, num_warps=4,
+        PER_ROW=context_lens.dim() == 2, TILES=tiles, ROWS2=rows2,
+        PAIRS=(rows + rows2) * num_heads <= cfg["gluon_pair_columns"], num_warps=4,
     )
 
 
