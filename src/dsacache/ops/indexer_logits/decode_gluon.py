@@ -255,7 +255,8 @@ def paged_decode_mxfp4_kernel(
     base_b, ok_b = _page_base(_entry(entries, 1), *pages)
     if PAIRS:
         # Two pages an iteration, each in its own registers: with one, ptxas copies the
-        # loop-carried words and pointers into place every page.
+        # loop-carried words and pointers into place every page. The look-ahead reaches entry
+        # num_scored + 1 at most, inside the two slots past num_scored that _block_entries fills with -1.
         for t in range(0, num_scored - 1, 2):
             words_b, scales_b = _load_page(base_b, offs)
             base_c, ok_c = _page_base(_entry(entries, t + 2), *pages)
