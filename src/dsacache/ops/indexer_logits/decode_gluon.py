@@ -258,14 +258,10 @@ def paged_decode_mxfp4_kernel(
         # loop-carried words and pointers into place every page. The look-ahead reaches entry
         # num_scored + 1 at most, inside the two slots past num_scored that _block_entries fills with -1.
         for t in range(0, num_scored - 1, 2):
-            words_b, scales_b = _load_page(base_b, offs)
-            base_c, ok_c = _page_base(_entry(entries, t + 2), *pages)
-            _prefetch_l2(base_c)
+            words_b, scales_b, base_c, ok_c = _next_pages(base_b, entries, t + 2, pages, offs)
             _score_page(words_a, scales_a, ok_a, t * PAGE, zeros, operands, ROWS2 > 0, *out_args)
-            words_a, scales_a = _load_page(base_c, offs)
             ok_page = ok_b
-            base_b, ok_b = _page_base(_entry(entries, t + 3), *pages)
-            _prefetch_l2(base_b)
+            words_a, scales_a, base_b, ok_b = _next_pages(base_c, entries, t + 3, pages, offs)
             _score_page(words_b, scales_b, ok_page, (t + 1) * PAGE, zeros, operands, ROWS2 > 0, *out_args)
             ok_a = ok_c
         if num_scored % 2 == 1:
@@ -273,10 +269,8 @@ def paged_decode_mxfp4_kernel(
     else:
         for t in range(num_scored):
             words, scales, ok = words_a, scales_a, ok_a
-            words_a, scales_a = _load_page(base_b, offs)
             ok_a = ok_b
-            base_b, ok_b = _page_base(_entry(entries, t + 2), *pages)
-            _prefetch_l2(base_b)
+            words_a, scales_a, base_b, ok_b = _next_pages(base_b, entries, t + 2, pages, offs)
             _score_page(words, scales, ok, t * PAGE, zeros, operands, ROWS2 > 0, *out_args)
     _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)
 
@@ -349,6 +343,17 @@ def _prefetch_l2(base):
     lane = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
     gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,r,l", [lane, base + 0 * lane], dtype=gl.int32, is_pure=False,
                               pack=1)
+
+
+@gluon.jit
+def _next_pages(base, entries, t, pages, offs):
+    """The loop's look-ahead: the page at ``base`` loaded into registers (``_load_page``), and
+    entry ``t``'s page found and started into L2; returns (words, scales, entry t's base, whether
+    it is usable)."""
+    words, scales = _load_page(base, offs)
+    base_t, ok_t = _page_base(_entry(entries, t), *pages)
+    _prefetch_l2(base_t)
+    return words, scales, base_t, ok_t
 
 
 @gluon.jit
