@@ -3,6 +3,7 @@ PyTorch reference, and both against torch.topk (as sets, never by raw order)."""
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,6 +161,59 @@ def test_skewed_rows_refilter_only_overflowed_slices(start):
     out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
     launch_topk(logits, lens, starts, out, config)
     assert torch.equal(out, topk_indices(logits, lens, k, row_starts=starts, impl="torch"))
+
+
+def test_triton_select_takes_a_skewed_row_gathered_by_the_ballot_select():
+    """After the Hopper ballot select, a row marked ``done == 2`` has its candidates in the dense
+    buffers already (``select_gluon._select_skewed``): the Triton select selects from those and
+    neither copies the segments nor filters the row again. Here the dense lists are written by
+    PyTorch and the skewed rows' segments overwritten with junk, so only that path gives the
+    reference; the other rows (done 0) still take their own paths."""
+    pytest.importorskip("triton")
+    from dsacache.ops.topk import launch
+    from dsacache.ops.topk.select_triton import topk_select_kernel
+
+    k, width = 200, 1500
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, width, generator=gen).to(DEVICE)
+    logits[0] += torch.linspace(0, 4, width, device=DEVICE)          # ramp: later slices overflow
+    logits[1] = torch.arange(width, device=DEVICE).float()           # sorted: only the last slice
+    lens = torch.tensor([width, width, width, 999], dtype=torch.int32, device=DEVICE)
+    cfg = launch.TopkConfig(block=64, cap=1024, samples=256, progs=8, bins=64, vec=4, select="triton")
+    plan = launch._plan(cfg, logits, k)
+    cap, progs = plan.cap, plan.progs
+    seg = torch.empty(4, cap, 2, dtype=torch.int32, device=DEVICE)
+    counts = torch.empty(4, progs, dtype=torch.int32, device=DEVICE)
+    buf_keys = torch.empty(4, cap + cfg.ties, dtype=torch.int32, device=DEVICE)
+    buf_pos = torch.empty_like(buf_keys)
+    cut = torch.empty(4, dtype=torch.int32, device=DEVICE)
+    shift = torch.empty_like(cut)
+    hist = torch.empty(4, plan.bins, dtype=torch.int32, device=DEVICE)
+    common = dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=plan.bins)
+    window = dict(width=width, HAS_STARTS=False)
+    launch._launch_cutoff_and_filter(cfg, plan, logits, lens, lens, cut, shift, hist, seg, counts, window,
+                                     {"PDL": False}, common)
+    skewed = (counts.max(dim=1).values > cap // progs).tolist()
+    assert skewed[:2] == [True, True] and skewed[2:] == [False, False]
+    done = torch.tensor([2, 2, 0, 0], dtype=torch.int32, device=DEVICE)
+    for row in (0, 1):
+        key = cut[row].item() & 0xFFFFFFFF  # the cut-off key's float, as the filter tests it (keys.key_to_float)
+        bits = np.array([key ^ (0x80000000 if key >= 0x80000000 else 0xFFFFFFFF)], np.uint32)
+        cut_f = float(bits.view(np.float32)[0])
+        x = logits[row, :width]
+        pos = (x >= cut_f).nonzero().flatten().to(torch.int32)
+        assert pos.numel() == counts[row].sum().item() <= cap
+        bits = x[pos.long()].view(torch.int32)
+        keys = torch.where(bits < 0, ~bits, bits | torch.tensor(-2**31, dtype=torch.int32))
+        buf_keys[row, :pos.numel()] = keys
+        buf_pos[row, :pos.numel()] = pos
+        seg[row] = 12345  # junk: a path that copied the segments would fail
+    out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
+    topk_select_kernel[(4,)](logits, lens, lens, out, cut, shift, hist, seg.view(torch.int64), counts, buf_keys,
+                             buf_pos, width, **window, BLOCK=cfg.block, CAP=cap, BITS=launch.RADIX_BITS,
+                             TIES=cfg.ties, LOAD=plan.load, TILE=32 * plan.vec, num_warps=4, done_ptr=done,
+                             SKIP_DONE=True, PDL=False, **common)
+    assert torch.equal(out, topk_indices(logits, lens, k, impl="torch"))
 
 
 def test_register_path_with_ties_and_the_open_last_bin():
@@ -612,6 +666,55 @@ def test_row_kernel_keeps_skewed_rows(width, with_starts, row_bins):
     for _ in range(2):
         out = torch.full((9, k), -7, dtype=torch.int32, device="cuda")
         launch_topk(logits, lens, starts, out, TopkConfig(row_bins=row_bins, short_max_len=0))
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, width, with_starts", [(9, 40_000, True), (64, 131_072, False), (256, 65_536, True)])
+def test_ballot_select_takes_skewed_rows(rows, width, with_starts):
+    """Wider logits (the Triton filter, then the Gluon ballot select): rows whose candidates bunch
+    in a few filter slices, more than a segment holds (sorted either way, ramps, one hot stretch,
+    a ramp with exact ties). The ballot select gathers them densely (the stored segments copied,
+    the overflowed slices filtered again) and selects them itself (``_select_skewed``); a skewed
+    row whose chosen bin holds more than TIES (row 8: 7 values over its last eighth) is left
+    gathered to the Triton select (``done == 2``). Every row equals the reference, on
+    repeated launches; with ``gluon-only`` the skewed rows without heavy ties are written by the
+    ballot select alone."""
+    from dsacache.ops.topk.launch import TopkConfig, launch_topk, select_kernel
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon ballot select runs on Hopper and newer")
+    k = 2048
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, width, device="cuda", generator=gen)
+    logits[0] = logits[0].sort().values                                      # ascending: the last slices
+    logits[1] = logits[1].sort(descending=True).values                       # descending: the first slices
+    logits[2] += torch.linspace(0, 6, width, device="cuda")                  # a steep ramp
+    logits[3] += torch.linspace(3, 0, width, device="cuda")                  # a ramp down
+    logits[4, width // 3:width // 3 + 3000] += 4.0                           # one hot stretch
+    logits[5] = (logits[5] + torch.linspace(0, 6, width, device="cuda")).mul(8).round()  # ramp with exact ties
+    logits[6] = torch.arange(width, device="cuda").float()                  # distinct and sorted
+    logits[8, -(width // 8):] = torch.randint(20, 27, (width // 8,), device="cuda", generator=gen).float()
+    lens = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+    starts = None
+    if with_starts:
+        starts = torch.randint(0, width // 8, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+        starts[0] = 3
+        lens = (width - starts).to(torch.int32)
+        lens[7] = width // 2  # a random window ending mid-row
+    assert select_kernel(logits, k) == "gluon"
+    ref = run_topk("torch", logits, lens, k, row_starts=starts)
+    only = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
+    launch_topk(logits, lens, starts, only, TopkConfig(select="gluon-only"))
+    taken = (only != -7).all(dim=1)
+    alone = [0, 1, 2, 3, 4, 6, 7]  # skewed without many ties at the cut, and a random window
+    assert taken[alone].all(), f"the ballot select left rows {(~taken).nonzero().flatten().tolist()}"
+    assert not taken[8], "a chosen bin of hundreds of ties, taken by the ballot select"
+    assert torch.equal(only[taken], ref[taken])
+    assert ((only == -7).all(dim=1) | taken).all(), "a row partly written by the ballot select"
+    for _ in range(2):
+        out = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
+        launch_topk(logits, lens, starts, out)
         assert torch.equal(out, ref)
 
 

@@ -26,8 +26,13 @@ candidates and no segment fuller than LOAD, and a chosen bin taken whole or hold
 TIES candidates; in the row kernel also a fuller chosen bin (heavy ties), cut by radix passes
 over its candidates. (After the Triton filter, at 64K and 128K, those passes were 7-20 us
 slower than the Triton select's on rows of 50 integer values, so that kernel leaves the row.)
-The row kernel selects the rest itself; ``topk_select_ballot_kernel`` marks the rows it takes
-``done`` and the Triton select, launched after it, selects the rest (``SKIP_DONE``).
+The row kernel selects the rest itself. ``topk_select_ballot_kernel`` also takes a skewed row
+(some segment past SEG: its candidates bunched in a few filter slices) with between k and CAP
+candidates: gathered densely, in position order, into the Triton select's buffers (the stored
+segments copied, the overflowed slices filtered again), then ``ballot_select`` over that list
+(``_select_skewed``). It marks the rows it takes ``done`` (1; 2 for a skewed row it gathered but
+leaves, its chosen bin past TIES) and the Triton select, launched after it, selects the rest
+(``SKIP_DONE``).
 """
 
 from __future__ import annotations
@@ -278,10 +283,24 @@ def _narrow_chosen_bin(seg_row, counts_row, cut, shift, chosen, left, in_bin, PR
 
 
 @gluon.jit
+def _load_candidates(seg_row, pos_row, idx, SPLIT: gl.constexpr):
+    """(key, position) int32 of the candidates at ``idx``: from the filter's packed pairs
+    (pos << 32 | key) at ``seg_row`` or, SPLIT, from keys at ``seg_row`` and positions at ``pos_row``."""
+    if SPLIT:
+        key = gl.load(seg_row + idx)
+        pos = gl.load(pos_row + idx)
+    else:
+        pair = gl.load(seg_row + idx)
+        key = pair.to(gl.int32)
+        pos = (pair >> 32).to(gl.int32)
+    return key, pos
+
+
+@gluon.jit
 def ballot_select(n, cut, shift, hist_buf, seg_row, counts_row, tie_keys, tie_pos, out_row,
                   K: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr, CAP: gl.constexpr,
                   BINS: gl.constexpr, TIES: gl.constexpr, BITS: gl.constexpr, NARROW: gl.constexpr,
-                  COUNT: gl.constexpr = False, hist_addr=0):
+                  COUNT: gl.constexpr = False, hist_addr=0, pos_row=0, SPLIT: gl.constexpr = False):
     """The exact top ``min(n, K)`` of one long row from its filtered candidates, written to
     ``out_row`` in position order, if the row is a common one; returns whether it was.
 
@@ -289,7 +308,8 @@ def ballot_select(n, cut, shift, hist_buf, seg_row, counts_row, tie_keys, tie_po
     candidate histogram in shared memory (``histogram_buffer``), which, with COUNT, this counts
     first from the candidates it loads (at ``hist_addr``), else the filter counted;
     ``seg_row`` [PROGS, SEG] int64 (pos << 32 | key) and ``counts_row`` [PROGS]: what the
-    filter wrote, complete and visible to this program; ``tie_keys`` / ``tie_pos``: TIES
+    filter wrote, complete and visible to this program (SPLIT: keys int32 at ``seg_row``,
+    positions at ``pos_row``, ``_load_candidates``; not with NARROW); ``tie_keys`` / ``tie_pos``: TIES
     slots of scratch. A chosen bin of at most TIES candidates is ranked pairwise, a fuller one
     (heavy ties), with NARROW, by radix passes of BITS bits over its candidates (without, the
     row is left). Nothing is written for a row it does not take."""
@@ -303,12 +323,12 @@ def ballot_select(n, cut, shift, hist_buf, seg_row, counts_row, tie_keys, tie_po
     seg_of = ch // CPS
     slot = (ch % CPS)[:, None] * 32 + lane[None, :]
     # Every load first, none masked by another's value (slots past a count hold garbage, masked below).
-    pair = gl.load(seg_row + (seg_of * SEG)[:, None] + slot)
+    key, pos = _load_candidates(seg_row, pos_row, (seg_of * SEG)[:, None] + slot, SPLIT)
     count = gl.load(counts_row + seg_of)
     want = gl.minimum(n, K)
     total = gl.sum(count, axis=0) // CPS           # each segment's count is held by its CPS chunks
     if COUNT:  # the filter did not count: the loaded candidates into the shared histogram
-        count_bins_shared(hist_addr, _candidate_bin(pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut, shift, BINS),
+        count_bins_shared(hist_addr, _candidate_bin(key.to(gl.uint32, bitcast=True) - cut, shift, BINS),
                           slot < count[:, None])
         gl.thread_barrier()
     chosen, left, in_bin = _candidate_bin_cut(hist_buf, want, BINS, W)
@@ -317,8 +337,7 @@ def ballot_select(n, cut, shift, hist_buf, seg_row, counts_row, tie_keys, tie_po
         fast = fast & ((left == in_bin) | (in_bin <= TIES))
     if fast:
         valid = slot < count[:, None]
-        dist = pair.to(gl.int32).to(gl.uint32, bitcast=True) - cut
-        pos = (pair >> 32).to(gl.int32)
+        dist = key.to(gl.uint32, bitcast=True) - cut
         bin_ = _candidate_bin(dist, shift, BINS)
         if left == in_bin:
             take = valid & (bin_ >= chosen)
@@ -346,63 +365,139 @@ def ballot_select(n, cut, shift, hist_buf, seg_row, counts_row, tie_keys, tie_po
 
 
 @gluon.jit
-def _count_left_row(row_ptr, start, n, cut, shift, hist_buf, hist_addr, hist_row, seg_row, counts_row,
-                    K: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr, CAP: gl.constexpr,
-                    BINS: gl.constexpr, TILE: gl.constexpr):
-    """For a long row ``ballot_select`` (with COUNT) left: the rest of its candidate histogram into
-    the shared ``hist_buf``, then all of it to ``hist_row`` (global) for the Triton select, unless
-    that select takes the row without it (fewer than k or more than CAP candidates).
-
-    ``ballot_select`` counted the first LOAD slots of each segment; the slots past them are
-    counted here. Where a segment overflowed (more than SEG candidates, not all of them stored)
-    the histogram is counted again from nothing: the stored segments from their slots, the
-    overflowed ones from their slices of the row (the filter's slices, ``filter.filter_slice``,
-    of whole TILE-column tiles). Shared-memory counts: rows of heavy ties put most candidates
-    in one bin, which global atomics serialize on."""
+def _count_past_load(seg_row, counts_row, cut, shift, hist_addr, PROGS: gl.constexpr, SEG: gl.constexpr,
+                     LOAD: gl.constexpr, CAP: gl.constexpr, BINS: gl.constexpr):
+    """For a row ``ballot_select`` (with COUNT) left with no segment past SEG: the stored
+    candidates past the first LOAD slots of each segment, which it did not load, into the
+    shared histogram at ``hist_addr``."""
     W: gl.constexpr = gl.num_warps()
     BLOCK: gl.constexpr = 4 * 32 * W
     BL: gl.constexpr = gl.BlockedLayout([4], [32], [W], [0])
-    PL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    lanes = gl.arange(0, BLOCK, layout=BL)
+    for b in range(CAP // BLOCK):
+        i = b * BLOCK + lanes
+        found = gl.load(counts_row + i // SEG)
+        live = (i % SEG >= LOAD) & (i % SEG < found)
+        key = gl.load(seg_row + i, mask=live, other=0).to(gl.int32)
+        count_bins_shared(hist_addr, _candidate_bin(key.to(gl.uint32, bitcast=True) - cut, shift, BINS), live)
+
+
+@gluon.jit
+def _write_histogram(hist_buf, hist_row, BINS: gl.constexpr):
+    """The shared histogram, complete, to ``hist_row`` (global) for the Triton select."""
+    W: gl.constexpr = gl.num_warps()
     PER: gl.constexpr = BINS // W
     L2: gl.constexpr = _histogram_layout(BINS, W)
-    counts = gl.load(counts_row + gl.arange(0, PROGS, layout=PL))
+    gl.thread_barrier()  # every count before the histogram is read
+    rng = gl.arange(0, W, layout=gl.SliceLayout(1, L2))[:, None] * PER
+    gl.store(hist_row + rng + gl.arange(0, PER, layout=gl.SliceLayout(0, L2))[None, :], hist_buf.load(L2))
+
+
+@gluon.jit
+def _dense_stored(seg_row, counts_row, cut, shift, hist_addr, dense_keys, dense_pos, PROGS: gl.constexpr,
+                  SEG: gl.constexpr, TILE_SLOTS: gl.constexpr, CAP: gl.constexpr, BINS: gl.constexpr):
+    """The candidates of every segment that holds all of its own (count <= SEG), counted into the
+    shared histogram and copied to their places in the row's dense list (keys at ``dense_keys``,
+    positions at ``dense_pos``); an overflowed segment's place is left for its slice's candidates
+    (``_dense_slice``). Tiles of TILE_SLOTS (as in ``ballot_select``: 32-slot chunks, one warp a
+    run of chunks), CAP / TILE_SLOTS of them."""
+    W: gl.constexpr = gl.num_warps()
+    CPS: gl.constexpr = SEG // 32
+    NCH: gl.constexpr = TILE_SLOTS // 32
+    CH: gl.constexpr = gl.BlockedLayout([NCH // W, 1], [1, 32], [W, 1], [1, 0])
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, CH))[None, :]
+    placed = cut.to(gl.int32) * 0  # candidates of the tiles before
+    for t in range(CAP // TILE_SLOTS):
+        ch = t * NCH + gl.arange(0, NCH, layout=gl.SliceLayout(1, CH))
+        first = (ch % CPS) * 32
+        count = gl.load(counts_row + ch // CPS)
+        stored = count <= SEG
+        # A chunk's candidates; an overflowed segment's all count at its first chunk.
+        held = gl.where(stored, gl.minimum(gl.maximum(count - first, 0), 32), gl.where(first == 0, count, 0))
+        held2 = gl.zeros([NCH, 32], gl.int32, CH) + held[:, None]
+        valid = stored[:, None] & (lane < held2)
+        idx = ((ch // CPS) * SEG + first)[:, None] + lane
+        key, pos = _load_candidates(seg_row, 0, idx, False)
+        count_bins_shared(hist_addr, _candidate_bin(key.to(gl.uint32, bitcast=True) - cut, shift, BINS), valid)
+        at = placed + _exclusive_over_chunks(held2) + lane
+        gl.store(dense_keys + at, key, mask=valid)
+        gl.store(dense_pos + at, pos, mask=valid)
+        placed += gl.sum(held, axis=0)
+
+
+@gluon.jit
+def _dense_slice(row_ptr, start, lo, hi, cut, shift, hist_addr, dense_keys, dense_pos, BINS: gl.constexpr):
+    """The candidates (key >= cut) of the row's columns [lo, hi), counted into the shared
+    histogram and written in position order from ``dense_keys`` / ``dense_pos`` (positions from
+    ``start``). Blocks of 8 chunks of 32 columns a warp, the next block's loads in flight while
+    one is placed; places by warp ballots and a scan over the chunks."""
+    W: gl.constexpr = gl.num_warps()
+    RC: gl.constexpr = 8 * W
+    BLK: gl.constexpr = 32 * RC
+    L: gl.constexpr = gl.BlockedLayout([RC // W, 1], [1, 32], [W, 1], [1, 0])
+    cut_f = _key_to_float(cut)
+    col = lo + (gl.arange(0, RC, layout=gl.SliceLayout(1, L))[:, None] * 32
+                + gl.arange(0, 32, layout=gl.SliceLayout(0, L))[None, :])
+    x = gl.load(row_ptr + col, mask=col < hi, other=0.0)
+    running = lo * 0
+    for _ in range(gl.cdiv(hi - lo, BLK)):
+        x_next = gl.load(row_ptr + col + BLK, mask=col + BLK < hi, other=0.0)
+        keep = (col < hi) & (x >= cut_f)
+        key = _sortable_key_not_nan(gl.where(keep, x, 0.0))
+        count_bins_shared(hist_addr, _candidate_bin(key - cut, shift, BINS), keep)
+        cnt, before = _ballot_counts(keep.to(gl.int32))
+        at = running + _exclusive_over_chunks(cnt) + before
+        gl.store(dense_keys + at, key.to(gl.int32, bitcast=True), mask=keep)
+        gl.store(dense_pos + at, col - start, mask=keep)
+        running += gl.sum(gl.max(cnt, axis=1), axis=0)
+        col += BLK
+        x = x_next
+
+
+@gluon.jit
+def _select_skewed(row_ptr, start, n, cut, shift, hist_buf, hist_addr, seg_row, counts_row, dense_keys, dense_pos,
+                   total_cell, out_row, K: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr,
+                   CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr, TILE: gl.constexpr):
+    """A skewed row (some filter program found more than SEG candidates, e.g. logits growing with
+    the position) with between k and CAP candidates: its candidates gathered densely, in position
+    order, into ``dense_keys`` / ``dense_pos`` (the Triton select's buffers, rows of CAP + TIES;
+    ``_dense_stored``, and each overflowed segment's slice of the row, the filter's
+    ``filter.filter_slice`` of whole TILE-column tiles, filtered again by ``_dense_slice``), the
+    histogram counted from nothing on the way, then ``ballot_select`` over the dense list as one
+    segment, PROGS x LOAD slots loaded (the common row's tile: no more registers), the chosen bin
+    ranked in the scratch after the list. ``total_cell``: an int32 the list's length passes
+    through. Returns 1 if that took the row (written to ``out_row``), else 2: the dense list and
+    the histogram are left for the Triton select (more candidates than that tile, or a chosen bin
+    of more than TIES)."""
+    W: gl.constexpr = gl.num_warps()
+    PL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    gl.thread_barrier()  # every warp past its reads of the histogram the first select counted
+    hist_buf.store(gl.zeros([W, BINS // W], gl.int32, _histogram_layout(BINS, W)))
+    gl.thread_barrier()  # zeroed before any thread counts
+    _dense_stored(seg_row, counts_row, cut, shift, hist_addr, dense_keys, dense_pos, PROGS, SEG, PROGS * LOAD, CAP,
+                  BINS)
+    progs = gl.arange(0, PROGS, layout=PL)
+    counts = gl.load(counts_row + progs)
     total = gl.sum(counts, axis=0)
-    if (total >= gl.minimum(n, K)) & (total <= CAP):
-        over = gl.max(counts, axis=0) > SEG
-        first_slot = gl.where(over, 0, LOAD)
-        if over:
-            hist_buf.store(gl.zeros([W, PER], gl.int32, L2))
-            gl.thread_barrier()  # zeroed before any thread counts
-        lanes = gl.arange(0, BLOCK, layout=BL)
-        for b in range(CAP // BLOCK):
-            i = b * BLOCK + lanes
-            found = gl.load(counts_row + i // SEG)
-            live = (i % SEG >= first_slot) & (i % SEG < found) & (found <= SEG)
-            key = gl.load(seg_row + i, mask=live, other=0).to(gl.int32)
-            count_bins_shared(hist_addr, _candidate_bin(key.to(gl.uint32, bitcast=True) - cut, shift, BINS), live)
-        if over:
-            cut_f = _key_to_float(cut)
-            end = start + n
-            first = (start // TILE) * TILE
-            chunk = gl.cdiv(gl.cdiv(end - first, PROGS), TILE) * TILE
-            for p in range(PROGS):
-                if gl.load(counts_row + p) > SEG:
-                    lo = gl.maximum(first + p * chunk, start)
-                    hi = gl.minimum(first + (p + 1) * chunk, end)
-                    for c in range(gl.cdiv(hi - lo, BLOCK)):
-                        col = lo + c * BLOCK + lanes
-                        x = gl.load(row_ptr + col, mask=col < hi, other=0.0)
-                        keep = (col < hi) & (x >= cut_f)
-                        dist = _sortable_key_not_nan(gl.where(keep, x, 0.0)) - cut
-                        count_bins_shared(hist_addr, _candidate_bin(dist, shift, BINS), keep)
-        gl.thread_barrier()  # every count before the histogram is read
-        rng = gl.arange(0, W, layout=gl.SliceLayout(1, L2))[:, None] * PER
-        gl.store(hist_row + rng + gl.arange(0, PER, layout=gl.SliceLayout(0, L2))[None, :], hist_buf.load(L2))
+    end = start + n
+    first = (start // TILE) * TILE
+    chunk = gl.cdiv(gl.cdiv(end - first, PROGS), TILE) * TILE
+    for p in range(PROGS):
+        if gl.load(counts_row + p) > SEG:
+            lo = gl.maximum(first + p * chunk, start)
+            hi = gl.minimum(first + (p + 1) * chunk, end)
+            base = gl.sum(gl.where(progs < p, counts, 0), axis=0)
+            _dense_slice(row_ptr, start, lo, hi, cut, shift, hist_addr, dense_keys + base, dense_pos + base, BINS)
+    gl.store(total_cell, total)
+    gl.thread_barrier()  # the dense list, its length and the histogram complete
+    fast = ballot_select(n, cut, shift, hist_buf, dense_keys, total_cell, dense_keys + total, dense_pos + total,
+                         out_row, K, 1, CAP, PROGS * LOAD, CAP, BINS, TIES, 0, False, False, 0, dense_pos, True)
+    return 2 - fast.to(gl.int32)
 
 
 @gluon.jit(do_not_specialize=["hist_smem"])
 def topk_select_ballot_kernel(
-    logits_ptr,       # [R, row_stride] fp32 (read only for a row left with an overflowed segment)
+    logits_ptr,       # [R, row_stride] fp32 (read only for a skewed row: its overflowed slices)
     lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
     starts_ptr,       # [R] int32 or int64 first valid columns (clamped here)
     out_ptr,          # [R, K] int32
@@ -413,7 +508,8 @@ def topk_select_ballot_kernel(
     counts_ptr,       # [R, PROGS] int32
     tie_keys_ptr,     # [R, stride_tie] int32 scratch: the chosen bin's candidates
     tie_pos_ptr,      # [R, stride_tie] int32 scratch
-    done_ptr,         # [R] int32 out: 1 where this kernel selected the row
+    done_ptr,         # [R] int32 out: 1 where this kernel selected the row, 2 where it left a skewed row's
+                      # candidates densely over its segments (``_select_skewed``), else 0
     row_stride, width, stride_tie,
     hist_smem,        # byte offset of ``hist_buf`` in shared memory (triton_utils.shared_buffer_offset)
     K: gl.constexpr, SAMPLES: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr,
@@ -423,8 +519,9 @@ def topk_select_ballot_kernel(
     """Step 3 of the three-kernel path on Hopper: one program a row, ``ballot_select`` after
     the Triton filter (launched with PDL: it waits for the filter's grid first). The filter
     does not count its candidates here (its histogram atomics were L2 transactions a
-    candidate): this kernel counts them in shared memory, and writes the histogram of a row
-    it leaves for the Triton select (``_count_left_row``)."""
+    candidate): this kernel counts them in shared memory. A skewed row (a segment past SEG) it
+    gathers densely and selects from there (``_select_skewed``); for a row it leaves with between
+    k and CAP candidates it writes the histogram for the Triton select."""
     W: gl.constexpr = gl.num_warps()
     hist_buf = histogram_buffer(BINS, W)  # the row's candidate histogram (a program a row: zeroed once)
     row = gl.program_id(0)
@@ -438,15 +535,29 @@ def topk_select_ballot_kernel(
         shift = gl.load(shift_ptr + row)
         seg_row = seg_ptr + row.to(gl.int64) * (PROGS * SEG)
         hist_addr = shared_address(row * 0 + hist_smem)
-        fast = ballot_select(n, cut, shift, hist_buf, seg_row, counts_ptr + row * PROGS,
-                             tie_keys_ptr + row.to(gl.int64) * stride_tie, tie_pos_ptr + row.to(gl.int64) * stride_tie,
-                             out_ptr + row.to(gl.int64) * K, K, PROGS, SEG, LOAD, CAP, BINS, TIES, 0, False, True,
-                             hist_addr)
-        if not fast:
-            _count_left_row(logits_ptr + row.to(gl.int64) * row_stride, start, n, cut, shift, hist_buf, hist_addr,
-                            hist_ptr + row.to(gl.int64) * BINS, seg_row, counts_ptr + row * PROGS, K, PROGS, SEG,
-                            LOAD, CAP, BINS, TILE)
+        counts_row = counts_ptr + row * PROGS
+        tie_keys = tie_keys_ptr + row.to(gl.int64) * stride_tie
+        out_row = out_ptr + row.to(gl.int64) * K
+        fast = ballot_select(n, cut, shift, hist_buf, seg_row, counts_row, tie_keys,
+                             tie_pos_ptr + row.to(gl.int64) * stride_tie, out_row, K, PROGS, SEG, LOAD, CAP, BINS,
+                             TIES, 0, False, True, hist_addr)
         taken = fast.to(gl.int32)
+        if not fast:
+            counts = gl.load(counts_row + gl.arange(0, PROGS, layout=gl.BlockedLayout([1], [32], [W], [0])))
+            total = gl.sum(counts, axis=0)
+            if (total >= gl.minimum(n, K)) & (total <= CAP):  # else the Triton select takes the whole row
+                skewed = gl.max(counts, axis=0) > SEG
+                if skewed:
+                    # The dense list goes to the Triton select's buffers, which the scratch shares; its
+                    # length passes through this row's `done`, written last.
+                    taken = _select_skewed(logits_ptr + row.to(gl.int64) * row_stride, start, n, cut, shift,
+                                           hist_buf, hist_addr, seg_row, counts_row, tie_keys,
+                                           tie_pos_ptr + row.to(gl.int64) * stride_tie, done_ptr + row, out_row, K,
+                                           PROGS, SEG, LOAD, CAP, BINS, TIES, TILE)
+                else:
+                    _count_past_load(seg_row, counts_row, cut, shift, hist_addr, PROGS, SEG, LOAD, CAP, BINS)
+                if taken != 1:
+                    _write_histogram(hist_buf, hist_ptr + row.to(gl.int64) * BINS, BINS)
     gl.store(done_ptr + row, taken)
 
 

@@ -54,7 +54,8 @@ def topk_select_kernel(
     BINS: tl.constexpr, BITS: tl.constexpr, TIES: tl.constexpr, PDL: tl.constexpr,
     HAS_STARTS: tl.constexpr,  # False: every row starts at column 0 (starts_ptr unused)
     LOAD: tl.constexpr = 0,  # candidate slots of a segment loaded first (<= CAP // PROGS; launchers set it)
-    done_ptr=None,  # [R] int32 (with SKIP_DONE): 1 for the rows the Gluon select already wrote
+    done_ptr=None,  # [R] int32 (with SKIP_DONE): 1 for the rows the Gluon select already wrote, 2 for a skewed
+                    # row whose candidates it left densely in buf_keys / buf_pos
     SKIP_DONE: tl.constexpr = False,
     TILE: tl.constexpr = 256,  # the filter's tile (32 V): its slices are re-filtered for a skewed row
 ):
@@ -64,26 +65,28 @@ def topk_select_kernel(
     with the position) is gathered into a dense buffer (``_gather_skewed``: the overflowed
     programs' slices filtered again) and selected the same way; short rows and a missed
     cut-off take the radix select over the row. With SKIP_DONE, after the Gluon ballot select
-    (``select_gluon``), only the rows it left (``done == 0``)."""
+    (``select_gluon``), only the rows it left (``done`` 0, or 2: a skewed row already gathered
+    densely)."""
     row = tl.program_id(0)
     if PDL:
         gdc_wait()  # launched while the kernel before finished: its outputs are complete from here
-    todo = True
+    done = 0
     if SKIP_DONE:
-        todo = tl.load(done_ptr + row) == 0
-    if todo:
+        done = tl.load(done_ptr + row)
+    if done != 1:
         _select_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, seg_ptr, counts_ptr,
-                    buf_keys_ptr, buf_pos_ptr, row_stride, width, row, K, BLOCK, CAP, SAMPLES, PROGS, BINS, BITS,
-                    TIES, HAS_STARTS, LOAD, TILE)
+                    buf_keys_ptr, buf_pos_ptr, row_stride, width, row, done == 2, K, BLOCK, CAP, SAMPLES, PROGS, BINS,
+                    BITS, TIES, HAS_STARTS, LOAD, TILE)
 
 
 @triton.jit
 def _select_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, seg_ptr, counts_ptr,
-                buf_keys_ptr, buf_pos_ptr, row_stride, width, row,
+                buf_keys_ptr, buf_pos_ptr, row_stride, width, row, dense,
                 K: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLES: tl.constexpr,
                 PROGS: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr, TIES: tl.constexpr,
                 HAS_STARTS: tl.constexpr, LOAD: tl.constexpr, TILE: tl.constexpr):
-    """The body of ``topk_select_kernel`` for one row."""
+    """The body of ``topk_select_kernel`` for one row. ``dense``: the Gluon ballot select left this
+    skewed row's candidates in the buffers already (``select_gluon._select_skewed``)."""
     SEG: tl.constexpr = CAP // PROGS
     LANES: tl.constexpr = 128
     # Every load the register path needs is issued here, before anything waits on another
@@ -121,12 +124,13 @@ def _select_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, h
             _select_candidates(whole.to(tl.int32), (whole >> 32).to(tl.int32), full < counts[:, None], hist, cut,
                                shift, want, out_row, buf_keys, buf_pos, BITS, TIES)
         else:
-            start, _ = row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
-            _gather_skewed(row_ptr, start, n, counts, seg_row, key_to_float(cut), buf_keys, buf_pos, SEG, PROGS,
-                           TILE, CAP, BLOCK)
-            tl.debug_barrier()  # the buffer was written by other threads of this program
             j = tl.arange(0, CAP // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :]
             live = j < total
+            if not dense:
+                start, _ = row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
+                _gather_skewed(row_ptr, start, n, counts, seg_row, key_to_float(cut), buf_keys, buf_pos, SEG, PROGS,
+                               TILE, CAP, BLOCK)
+                tl.debug_barrier()  # the buffer was written by other threads of this program
             # buf_keys doubles as the chosen bin's scratch: past the candidates
             _select_candidates(tl.load(buf_keys + j, mask=live, other=0), tl.load(buf_pos + j, mask=live, other=-1),
                                live, hist, cut, shift, want, out_row, buf_keys + total, buf_pos + total, BITS, TIES)
