@@ -141,6 +141,16 @@ def test_every_kernel_branch_with_small_buffers(extra):
     launch_small(logits, lens, k, settings)
 
 
+def _skewed_rows(seed: int, width: int) -> torch.Tensor:
+    """Four N(0, 1) rows, row 0 plus a ramp (its later slices overflow), row 1 ascending (every
+    candidate in the last slice)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, width, generator=gen).to(DEVICE)
+    logits[0] += torch.linspace(0, 4, width, device=DEVICE)
+    logits[1] = torch.arange(width, device=DEVICE).float()
+    return logits
+
+
 @pytest.mark.parametrize("start", [0, 37])
 def test_skewed_rows_refilter_only_overflowed_slices(start):
     """Skewed rows (candidates piling up towards the end): the segments that overflowed are
@@ -150,10 +160,7 @@ def test_skewed_rows_refilter_only_overflowed_slices(start):
     from dsacache.ops.topk.launch import TopkConfig, launch_topk
 
     k, width = 200, 1500
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, width, generator=gen).to(DEVICE)
-    logits[0] += torch.linspace(0, 4, width, device=DEVICE)          # ramp: later slices overflow
-    logits[1] = torch.arange(width, device=DEVICE).float()           # sorted: only the last slice
+    logits = _skewed_rows(3, width)
     logits[2, 600:700] += 5.0                                         # one hot slice in the middle
     starts = torch.full((4,), start, dtype=torch.int32, device=DEVICE)
     lens = torch.full((4,), width - start, dtype=torch.int32, device=DEVICE)
@@ -174,10 +181,7 @@ def test_triton_select_takes_a_skewed_row_gathered_by_the_ballot_select():
     from dsacache.ops.topk.select_triton import topk_select_kernel
 
     k, width = 200, 1500
-    gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(4, width, generator=gen).to(DEVICE)
-    logits[0] += torch.linspace(0, 4, width, device=DEVICE)          # ramp: later slices overflow
-    logits[1] = torch.arange(width, device=DEVICE).float()           # sorted: only the last slice
+    logits = _skewed_rows(5, width)
     lens = torch.tensor([width, width, width, 999], dtype=torch.int32, device=DEVICE)
     cfg = launch.TopkConfig(block=64, cap=1024, samples=256, progs=8, bins=64, vec=4, select="triton")
     plan = launch._plan(cfg, logits, k)
@@ -627,6 +631,20 @@ def test_row_kernel_on_prefill_windows(rows, width):
     assert torch.equal(out, ref)
 
 
+def _skewed_gpu_rows(rows: int, width: int, hot: int, gen: torch.Generator) -> torch.Tensor:
+    """N(0, 1) rows on the GPU, the first seven skewed: ascending, descending, a steep ramp, a ramp
+    down, one hot stretch of ``hot`` logits, a ramp with exact ties, distinct and sorted."""
+    logits = torch.randn(rows, width, device="cuda", generator=gen)
+    logits[0] = logits[0].sort().values
+    logits[1] = logits[1].sort(descending=True).values
+    logits[2] += torch.linspace(0, 6, width, device="cuda")
+    logits[3] += torch.linspace(3, 0, width, device="cuda")
+    logits[4, width // 3:width // 3 + hot] += 4.0
+    logits[5] = (logits[5] + torch.linspace(0, 6, width, device="cuda")).mul(8).round()
+    logits[6] = torch.arange(width, device="cuda").float()
+    return logits
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("width, with_starts", [(8_192, False), (20_000, True), (32_768, False), (32_768, True)])
 @pytest.mark.parametrize("row_bins", [None, 1024])
@@ -644,14 +662,7 @@ def test_row_kernel_keeps_skewed_rows(width, with_starts, row_bins):
         pytest.skip("the Gluon row kernel runs on Hopper and newer")
     k = 2048
     gen = torch.Generator(device="cuda").manual_seed(width)
-    logits = torch.randn(9, width, device="cuda", generator=gen)
-    logits[0] = logits[0].sort().values                                      # ascending: the last slices
-    logits[1] = logits[1].sort(descending=True).values                       # descending: the first slices
-    logits[2] += torch.linspace(0, 6, width, device="cuda")                  # a steep ramp
-    logits[3] += torch.linspace(3, 0, width, device="cuda")                  # a ramp down
-    logits[4, width // 3:width // 3 + 2500] += 4.0                           # one hot stretch
-    logits[5] = (logits[5] + torch.linspace(0, 6, width, device="cuda")).mul(8).round()  # ramp with exact ties
-    logits[6] = torch.arange(width, device="cuda").float()                  # distinct and sorted
+    logits = _skewed_gpu_rows(9, width, 2500, gen)
     logits[8, width // 2:] = torch.randint(20, 27, (width - width // 2,), device="cuda", generator=gen).float()
     if with_starts:
         starts = torch.randint(0, width // 8, (9,), device="cuda", generator=gen, dtype=torch.int32)
@@ -686,14 +697,7 @@ def test_ballot_select_takes_skewed_rows(rows, width, with_starts):
         pytest.skip("the Gluon ballot select runs on Hopper and newer")
     k = 2048
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    logits = torch.randn(rows, width, device="cuda", generator=gen)
-    logits[0] = logits[0].sort().values                                      # ascending: the last slices
-    logits[1] = logits[1].sort(descending=True).values                       # descending: the first slices
-    logits[2] += torch.linspace(0, 6, width, device="cuda")                  # a steep ramp
-    logits[3] += torch.linspace(3, 0, width, device="cuda")                  # a ramp down
-    logits[4, width // 3:width // 3 + 3000] += 4.0                           # one hot stretch
-    logits[5] = (logits[5] + torch.linspace(0, 6, width, device="cuda")).mul(8).round()  # ramp with exact ties
-    logits[6] = torch.arange(width, device="cuda").float()                  # distinct and sorted
+    logits = _skewed_gpu_rows(rows, width, 3000, gen)
     logits[8, -(width // 8):] = torch.randint(20, 27, (width // 8,), device="cuda", generator=gen).float()
     lens = torch.full((rows,), width, dtype=torch.int32, device="cuda")
     starts = None
