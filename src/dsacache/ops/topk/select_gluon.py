@@ -41,6 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsacache.ops.topk.cutoff import bit_length
+from dsacache.ops.topk.filter import filter_slice
 from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
 from dsacache.ops.topk.rows import long_row, row_window
 
@@ -70,6 +71,7 @@ mov.b32 $0, 0;
 
 # A row's window and whether it is long: the Triton path's rules, compiled by Gluon.
 _row_window = gluon.jit(row_window.fn)
+_filter_slice = gluon.jit(filter_slice.fn)
 _long_row = gluon.jit(long_row.fn)
 _bit_length = gluon.jit(bit_length.fn)
 _sortable_key = gluon.jit(sortable_key.fn)
@@ -479,13 +481,10 @@ def _select_skewed(row_ptr, start, n, cut, shift, hist_buf, hist_addr, seg_row, 
     progs = gl.arange(0, PROGS, layout=PL)
     counts = gl.load(counts_row + progs)
     total = gl.sum(counts, axis=0)
-    end = start + n
-    first = (start // TILE) * TILE
-    chunk = gl.cdiv(gl.cdiv(end - first, PROGS), TILE) * TILE
     for p in range(PROGS):
         if gl.load(counts_row + p) > SEG:
-            lo = gl.maximum(first + p * chunk, start)
-            hi = gl.minimum(first + (p + 1) * chunk, end)
+            lo, hi = _filter_slice(start, n, p, PROGS, TILE)
+            lo = gl.maximum(lo, start)
             base = gl.sum(gl.where(progs < p, counts, 0), axis=0)
             _dense_slice(row_ptr, start, lo, hi, cut, shift, hist_addr, dense_keys + base, dense_pos + base, BINS)
     gl.store(total_cell, total)
