@@ -151,11 +151,83 @@ def _skewed_rows(seed: int, width: int) -> torch.Tensor:
     return logits
 
 
+def pooled_candidates(seg, counts, pool, cap, progs, tile):
+    """Each filter program's candidates read back by the pool rule (``filter.pool_layout``): its
+    first SEG from its segment, then its pool blocks in the order it took them; [R][PROGS] lists
+    of (key, position) int32 pairs."""
+    from dsacache.ops.topk.filter import pool_layout
+
+    blocks, owner, cursor, _ = pool_layout(cap, progs, tile)
+    seg_len = cap // progs
+    rows = []
+    for r in range(seg.shape[0]):
+        pairs = seg[r].view(progs, seg_len, 2).cpu()
+        lists = [pairs[p, :min(int(counts[r, p]), seg_len)].tolist() for p in range(progs)]
+        pool_pairs = pool[r, :owner].view(blocks, tile, 2).cpu()
+        for b in range(min(int(pool[r, cursor]), blocks)):
+            p = int(pool[r, owner + b])
+            lists[p] += pool_pairs[b, :min(int(counts[r, p]) - len(lists[p]), tile)].tolist()
+        rows.append(lists)
+    return rows
+
+
+@pytest.mark.parametrize("vec", [4, 8])
+def test_filter_pool_holds_every_candidate_in_order(vec):
+    """The filter's one rule for where candidates go (``filter.pool_layout``): past its segment, a
+    program's candidates fill pool blocks it takes in position order. Read back by that rule, every
+    program holds exactly the (key, position) pairs of its slice at or above the cut-off, in order,
+    on a ramp row (later slices overflow, some by many blocks), an ascending row (every candidate
+    in the last slice) and a random one."""
+    _check_pool_rule(DEVICE, vec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vec", [4, 8, 16])
+def test_filter_pool_rule_on_the_gpu(vec):
+    """The same rule kept by the tile-step PTX (compiled, 4-16 logits a lane)."""
+    _check_pool_rule("cuda", vec)
+
+
+def _check_pool_rule(device, vec):
+    pytest.importorskip("triton")
+    from dsacache.ops.topk import launch
+    from dsacache.ops.topk.filter import pool_layout
+
+    k, width = 200, 4000
+    logits = _skewed_rows(11, width).to(device)
+    lens = torch.full((4,), width, dtype=torch.int32, device=device)
+    cfg = launch.TopkConfig(block=64, cap=1024, samples=256, progs=8, bins=64, vec=vec, select="triton")
+    plan = launch._plan(cfg, logits, k)
+    cap, progs, tile = plan.cap, plan.progs, 32 * plan.vec
+    seg = torch.full((4, cap, 2), -5, dtype=torch.int32, device=device)
+    counts = torch.empty(4, progs, dtype=torch.int32, device=device)
+    pool = launch.new_pool(4, cap, progs, plan.vec, device).fill_(-5)
+    cut = torch.empty(4, dtype=torch.int32, device=device)
+    shift = torch.empty_like(cut)
+    hist = torch.empty(4, plan.bins, dtype=torch.int32, device=device)
+    launch._launch_cutoff_and_filter(cfg, plan, logits, lens, lens, cut, shift, hist, seg, counts, pool,
+                                     dict(width=width, HAS_STARTS=False), {"PDL": False},
+                                     dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=plan.bins))
+    assert (counts.max(dim=1).values > cap // progs).tolist() == [True, True, False, False]
+    assert int(pool[1, pool_layout(cap, progs, tile)[2]]) >= 2, "the ascending row took one pool block at most"
+    for r, lists in enumerate(pooled_candidates(seg, counts, pool, cap, progs, tile)):
+        key = cut[r].item() & 0xFFFFFFFF
+        bits = np.array([key ^ (0x80000000 if key >= 0x80000000 else 0xFFFFFFFF)], np.uint32)
+        cut_f = float(bits.view(np.float32)[0])
+        for p in range(progs):
+            lo = p * -(-width // progs // tile) * tile
+            x = logits[r, lo:lo + -(-width // progs // tile) * tile]
+            pos = (x >= cut_f).nonzero().flatten().to(torch.int32) + lo
+            raw = logits[r, pos.long()].view(torch.int32)
+            keys = torch.where(raw < 0, ~raw, raw | torch.tensor(-2**31, dtype=torch.int32, device=device))
+            assert lists[p] == torch.stack([keys, pos], 1).tolist(), f"row {r}, program {p}"
+
+
 @pytest.mark.parametrize("start", [0, 37])
-def test_skewed_rows_refilter_only_overflowed_slices(start):
-    """Skewed rows (candidates piling up towards the end): the segments that overflowed are
-    filtered again from their own slices, the others copied; with row starts that are not tile
-    aligned (slice 0 begins before the row), the output equals the reference exactly."""
+def test_skewed_rows_gathered_from_segments_and_pool(start):
+    """Skewed rows (candidates piling up towards the end): each segment is copied and the
+    candidates past it come from the pool; with row starts that are not tile aligned (slice 0
+    begins before the row), the output equals the reference exactly."""
     pytest.importorskip("triton")
     from dsacache.ops.topk.launch import TopkConfig, launch_topk
 
@@ -195,7 +267,8 @@ def test_triton_select_takes_a_skewed_row_gathered_by_the_ballot_select():
     hist = torch.empty(4, plan.bins, dtype=torch.int32, device=DEVICE)
     common = dict(K=k, SAMPLES=cfg.samples, PROGS=progs, BINS=plan.bins)
     window = dict(width=width, HAS_STARTS=False)
-    launch._launch_cutoff_and_filter(cfg, plan, logits, lens, lens, cut, shift, hist, seg, counts, window,
+    pool = launch.new_pool(4, cap, progs, plan.vec, DEVICE)
+    launch._launch_cutoff_and_filter(cfg, plan, logits, lens, lens, cut, shift, hist, seg, counts, pool, window,
                                      {"PDL": False}, common)
     skewed = (counts.max(dim=1).values > cap // progs).tolist()
     assert skewed[:2] == [True, True] and skewed[2:] == [False, False]
@@ -211,12 +284,13 @@ def test_triton_select_takes_a_skewed_row_gathered_by_the_ballot_select():
         keys = torch.where(bits < 0, ~bits, bits | torch.tensor(-2**31, dtype=torch.int32))
         buf_keys[row, :pos.numel()] = keys
         buf_pos[row, :pos.numel()] = pos
-        seg[row] = 12345  # junk: a path that copied the segments would fail
+        seg[row] = 12345  # junk: a path that copied the segments or the pool would fail
+        pool[row] = 12345
     out = torch.full((4, k), -7, dtype=torch.int32, device=DEVICE)
     topk_select_kernel[(4,)](logits, lens, lens, out, cut, shift, hist, seg.view(torch.int64), counts, buf_keys,
-                             buf_pos, width, **window, BLOCK=cfg.block, CAP=cap, BITS=launch.RADIX_BITS,
+                             buf_pos, pool, width, **window, BLOCK=cfg.block, CAP=cap, BITS=launch.RADIX_BITS,
                              TIES=cfg.ties, LOAD=plan.load, TILE=32 * plan.vec, num_warps=4, done_ptr=done,
-                             SKIP_DONE=True, PDL=False, **common)
+                             SKIP_DONE=True, PDL=False, **launch.pool_constants(pool, cap, progs, plan.vec), **common)
     assert torch.equal(out, topk_indices(logits, lens, k, impl="torch"))
 
 
@@ -889,18 +963,59 @@ assert "red.global" not in ptx and spilled <= (64 if W == 16 else 0)
 assert shared_buffer_offset(compiled, "hist_buf") % 4 == 0
 
 # The ballot select alone (after the Triton filter, for wider logits), at its default shape.
-pointers = ["logits_ptr", "lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr",
-            "counts_ptr", "tie_keys_ptr", "tie_pos_ptr", "done_ptr"]
+from dsacache.ops.topk.filter import pool_layout, topk_filter_kernel
+pool, _, _, pool_row = pool_layout(8192, 64, 32 * V)
+pointers = ["lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr",
+            "counts_ptr", "tie_keys_ptr", "tie_pos_ptr", "pool_ptr", "done_ptr"]
 signature = {{name: "*i64" if name == "seg_ptr" else "*i32" for name in pointers}}
-signature.update(logits_ptr="*fp32", row_stride="i32", width="i32", stride_tie="i32", hist_smem="i32")
+signature.update(width="i32", stride_tie="i32", hist_smem="i32")
 constants = dict(K=2048, SAMPLES=2048, PROGS=64, SEG=128, LOAD=128, CAP=8192, BINS=2048, TIES=32,
-                 HAS_STARTS=False, PDL=True, TILE=128)
+                 HAS_STARTS=False, PDL=True, TILE=32 * V, POOL=pool, POOL_ROW=pool_row)
 signature.update({{name: "constexpr" for name in constants}})
 compiled = triton.compile(GluonASTSource(select, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options={{"num_warps": 8}})
 regs, spilled, _ = usage(compiled)
 assert "vote.sync.ballot.b32" in compiled.asm["ptx"] and "red.shared.add.u32" in compiled.asm["ptx"] and spilled == 0
 shared_buffer_offset(compiled, "hist_buf")
+
+# The Triton filter before it: the tile-step PTX with the pool (ptxas checks it).
+pointers = ["logits_ptr", "lens_ptr", "starts_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr", "counts_ptr",
+            "pool_ptr"]
+signature = {{name: "*fp32" if name == "logits_ptr" else "*i32" for name in pointers}}
+signature.update(row_stride="i32", width="i32")
+constants = dict(K=2048, SAMPLES=2048, PROGS=64, SEG_CAP=128, BINS=2048, V=V, ALIGNED=True, USE_ASM=True, PDL=True,
+                 HAS_STARTS=False, TILE_ASM=True, TILE_PTX=filter_tile_ptx(V, "none", pool),
+                 TILE_REGS=filter_tile_regs(V, "none", pool), AHEAD=1, EVICT="", COUNT=False, POOL=pool,
+                 POOL_ROW=pool_row)
+signature.update({{name: "constexpr" for name in constants}})
+compiled = triton.compile(triton.compiler.ASTSource(topk_filter_kernel, signature, constants),
+                          target=GPUTarget("cuda", 90, 32), options={{"num_warps": 1}})
+assert "atom.global.add.u32" in compiled.asm["ptx"] and compiled.asm["cubin"]
+
+# The cut-off kernel before it, which zeroes the pool's cursor.
+from dsacache.ops.topk.cutoff import topk_cutoff_kernel
+signature = dict(logits_ptr="*fp32", lens_ptr="*i32", starts_ptr="*i32", cut_ptr="*i32", shift_ptr="*i32",
+                 hist_ptr="*i32", pool_ptr="*i32", row_stride="i32", width="i32")
+constants = dict(K=2048, SAMPLES=2048, SAMPLE_RUN=8, BINS=2048, HAS_STARTS=True, SAMPLE_BITS=8, PDL=True,
+                 ZERO_HIST=False, POOL=pool, POOL_ROW=pool_row, TILE=32 * V)
+signature.update({{name: "constexpr" for name in constants}})
+compiled = triton.compile(triton.compiler.ASTSource(topk_cutoff_kernel, signature, constants),
+                          target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}})
+assert compiled.asm["cubin"]
+
+# The Triton select after both, which gathers a skewed row from the segments and the pool.
+from dsacache.ops.topk.select_triton import topk_select_kernel
+pointers = ["logits_ptr", "lens_ptr", "starts_ptr", "out_ptr", "cut_ptr", "shift_ptr", "hist_ptr", "seg_ptr",
+            "counts_ptr", "buf_keys_ptr", "buf_pos_ptr", "pool_ptr", "done_ptr"]
+signature = {{name: "*fp32" if name == "logits_ptr" else "*i64" if name == "seg_ptr" else "*i32"
+             for name in pointers}}
+signature.update(row_stride="i32", width="i32")
+constants = dict(K=2048, BLOCK=2048, CAP=8192, SAMPLES=2048, PROGS=64, BINS=2048, BITS=8, TIES=32, PDL=True,
+                 HAS_STARTS=False, LOAD=128, SKIP_DONE=True, TILE=32 * V, POOL=pool, POOL_ROW=pool_row)
+signature.update({{name: "constexpr" for name in constants}})
+compiled = triton.compile(triton.compiler.ASTSource(topk_select_kernel, signature, constants),
+                          target=GPUTarget("cuda", 90, 32), options={{"num_warps": 16}})
+assert compiled.asm["cubin"]
 
 # The short-row kernel at the widest rows it takes (16 logits a thread), at its register cap.
 from dsacache.ops.topk.short_gluon import topk_short_row_kernel as short

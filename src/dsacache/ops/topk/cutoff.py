@@ -4,7 +4,8 @@ One program a row narrows ``SAMPLES`` keys (runs of ``SAMPLE_RUN`` adjacent logi
 spaced, so each run is one memory sector) by radix passes, no sort, until the chosen bin
 holds only a few samples: most likely a little over k of the row's keys lie at or above
 that cut-off. It also picks the candidate histogram's bin width and zeroes the histogram
-the filter fills. Shorter rows (``not long_row``) are left to the select.
+the filter fills, and the cursor of the row's candidate pool (``filter.pool_layout``). Shorter
+rows (``not long_row``) are left to the select.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ def topk_cutoff_kernel(
     cut_ptr,          # [R] int32 out: the cut-off key (uint32 bits) of each long row
     shift_ptr,        # [R] int32 out: log2 of the candidate histogram's bin width
     hist_ptr,         # [R, BINS] int32 out: zeroed for topk_filter_kernel
+    pool_ptr,         # [R, POOL_ROW] int32 out: each row's pool cursor, zeroed for the filter
     row_stride, width,  # logits row stride and width (columns)
     K: tl.constexpr, SAMPLES: tl.constexpr, SAMPLE_RUN: tl.constexpr, BINS: tl.constexpr,
     HAS_STARTS: tl.constexpr,  # False: every row starts at column 0 (starts_ptr unused)
     SAMPLE_BITS: tl.constexpr = 8, PDL: tl.constexpr = False,
     ZERO_HIST: tl.constexpr = True,  # False: the filter does not count (the Hopper ballot select does)
+    POOL: tl.constexpr = 0, POOL_ROW: tl.constexpr = 0,  # the filter's pool (filter.pool_layout; 0: none)
+    TILE: tl.constexpr = 1,  # the filter's tile (its pool's block)
 ):
     """One program a row: a cut-off key with, most likely, a little over K of the row's keys
     at or above it (from SAMPLES keys in evenly spaced runs). With PDL it waits for the kernel
@@ -60,6 +64,8 @@ def topk_cutoff_kernel(
         shift = tl.maximum(bit_length(tl.max(keys, axis=0) - cut) - (log_bins - 1), 0)
         tl.store(cut_ptr + row, float_cut(cut).to(tl.int32, bitcast=True))
         tl.store(shift_ptr + row, shift)
+        if POOL > 0:  # the cursor (filter.pool_layout)
+            tl.store(pool_ptr + row.to(tl.int64) * POOL_ROW + 2 * POOL * TILE + POOL, 0)
 
 
 @triton.jit

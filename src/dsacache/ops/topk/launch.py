@@ -37,7 +37,7 @@ import torch
 import triton
 
 from dsacache.ops.topk.cutoff import topk_cutoff_kernel
-from dsacache.ops.topk.filter import FILTER_TILE_V, filter_tile_ptx, filter_tile_regs, topk_filter_kernel
+from dsacache.ops.topk.filter import FILTER_TILE_V, filter_tile_ptx, filter_tile_regs, pool_layout, topk_filter_kernel
 from dsacache.ops.topk.select_triton import topk_select_kernel
 from dsacache.ops.topk.slots import positions_to_slots_kernel
 from dsacache.ops.triton_utils import INTERPRET, check_launch, dependent_launch, l2_cache_bytes, \
@@ -293,46 +293,66 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
         topk_row_kernel[(rows,)](*args, _hist_offset(topk_row_kernel, (rows,), args, consts), **consts)
         return
     hist = torch.empty(rows, plan.bins, dtype=torch.int32, device=device)
-    _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, window, pdl, common)
+    pool = new_pool(rows, cap, progs, vec, device)
+    _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, pool, window, pdl,
+                              common)
     if plan.first == "gluon":
         from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel
 
         done = torch.empty(rows, dtype=torch.int32, device=device)
-        args = (logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts, buf_keys, buf_pos, done,
-                stride, window["width"], buf_keys.stride(0))
+        args = (lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts, buf_keys, buf_pos, pool, done,
+                window["width"], buf_keys.stride(0))
         consts = dict(SEG=cap // progs, LOAD=plan.load, CAP=cap, TIES=cfg.ties, HAS_STARTS=window["HAS_STARTS"],
                       PDL=pdl["PDL"], TILE=32 * vec, num_warps=cfg.gluon_select_warps,
-                      **({"launch_pdl": True} if pdl["PDL"] else {}), **common)
+                      **pool_constants(pool, cap, progs, vec), **({"launch_pdl": True} if pdl["PDL"] else {}),
+                      **common)
         topk_select_ballot_kernel[(rows,)](*args, _hist_offset(topk_select_ballot_kernel, (rows,), args, consts),
                                            **consts)
         skip = {"done_ptr": done, "SKIP_DONE": True}
     if skip and cfg.select == "gluon-only":
         return
     topk_select_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
-                                buf_keys, buf_pos, stride, **window, BLOCK=cfg.block, CAP=cap, BITS=RADIX_BITS,
+                                buf_keys, buf_pos, pool, stride, **window, BLOCK=cfg.block, CAP=cap, BITS=RADIX_BITS,
                                 TIES=cfg.ties, LOAD=plan.load, TILE=32 * vec, num_warps=plan.select_warps, **skip,
-                                **pdl, **common)
+                                **pool_constants(pool, cap, progs, vec), **pdl, **common)
+
+
+def new_pool(rows: int, cap: int, progs: int, vec: int, device: torch.device) -> torch.Tensor:
+    """Scratch for the rows' candidate pools (``filter.pool_layout``): [R, row words] int32."""
+    return torch.empty(rows, pool_layout(cap, progs, 32 * vec)[3], dtype=torch.int32, device=device)
+
+
+def pool_constants(pool: torch.Tensor, cap: int, progs: int, vec: int) -> dict:
+    """The pool settings the filter and both selects take (``filter.pool_layout``)."""
+    blocks, _, _, words = pool_layout(cap, progs, 32 * vec)
+    check_launch(pool.is_contiguous() and pool.shape[1] == words, "a pool from new_pool")
+    return {"POOL": blocks, "POOL_ROW": words}
 
 
 def _launch_cutoff_and_filter(cfg: TopkConfig, plan: _Plan, logits: torch.Tensor, lens: torch.Tensor,
                               starts: torch.Tensor, cut: torch.Tensor, shift: torch.Tensor, hist: torch.Tensor,
-                              seg: torch.Tensor, counts: torch.Tensor, window: dict, pdl: dict, common: dict) -> None:
-    """Steps 1 and 2 of the Triton path: the cut-off kernel, then the filter (dependent launch).
+                              seg: torch.Tensor, counts: torch.Tensor, pool: torch.Tensor, window: dict, pdl: dict,
+                              common: dict) -> None:
+    """Steps 1 and 2 of the Triton path: the cut-off kernel, then the filter (dependent launch),
+    each program's candidates past its segment in the row's ``pool`` (``new_pool``).
     Before the Gluon ballot select the filter does not count its candidates: that select does."""
     rows, k, vec = logits.shape[0], common["K"], plan.vec
     count_hist = plan.first != "gluon"
     stride = logits.stride(0)
-    topk_cutoff_kernel[(rows,)](logits, lens, starts, cut, shift, hist, stride, **window, K=k, SAMPLES=cfg.samples,
-                                SAMPLE_RUN=cfg.sample_run, BINS=cfg.bins, SAMPLE_BITS=cfg.sample_bits,
-                                ZERO_HIST=count_hist, num_warps=cfg.cutoff_warps, **pdl)
+    pooled = pool_constants(pool, plan.cap, plan.progs, vec)
+    topk_cutoff_kernel[(rows,)](logits, lens, starts, cut, shift, hist, pool, stride, **window, K=k,
+                                SAMPLES=cfg.samples, SAMPLE_RUN=cfg.sample_run, BINS=cfg.bins,
+                                SAMPLE_BITS=cfg.sample_bits, ZERO_HIST=count_hist, TILE=32 * vec,
+                                num_warps=cfg.cutoff_warps, **pooled, **pdl)
     tile = {"TILE_ASM": False}
     if PTX_AVAILABLE and vec in FILTER_TILE_V:
         at = "global" if count_hist else "none"
-        tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec, at), "TILE_REGS": filter_tile_regs(vec, at)}
-    topk_filter_kernel[(plan.progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, stride, **window,
-                                           SEG_CAP=plan.cap // plan.progs, V=vec, ALIGNED=_aligned(logits),
+        tile = {"TILE_ASM": True, "TILE_PTX": filter_tile_ptx(vec, at, pooled["POOL"]),
+                "TILE_REGS": filter_tile_regs(vec, at, pooled["POOL"])}
+    topk_filter_kernel[(plan.progs, rows)](logits, lens, starts, cut, shift, hist, seg, counts, pool, stride,
+                                           **window, SEG_CAP=plan.cap // plan.progs, V=vec, ALIGNED=_aligned(logits),
                                            USE_ASM=PTX_AVAILABLE, AHEAD=plan.ahead, EVICT=plan.evict,
-                                           COUNT=count_hist, num_warps=1,
+                                           COUNT=count_hist, num_warps=1, **pooled,
                                            **tile, **pdl,
                                            **common)
 

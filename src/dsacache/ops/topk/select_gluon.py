@@ -28,11 +28,11 @@ over its candidates. (After the Triton filter, at 64K and 128K, those passes wer
 slower than the Triton select's on rows of 50 integer values, so that kernel leaves the row.)
 The row kernel selects the rest itself. ``topk_select_ballot_kernel`` also takes a skewed row
 (some segment past SEG: its candidates bunched in a few filter slices) with between k and CAP
-candidates: gathered densely, in position order, into the Triton select's buffers (the stored
-segments copied, the overflowed slices filtered again), then ``ballot_select`` over that list
-(``_select_skewed``). It marks the rows it takes ``done`` (1; 2 for a skewed row it gathered but
-leaves, its chosen bin past TIES) and the Triton select, launched after it, selects the rest
-(``SKIP_DONE``).
+candidates: gathered densely, in position order, into the Triton select's buffers (the segments
+and the pool blocks the filter put the rest in, ``filter.pool_layout``), then ``ballot_select``
+over that list (``_select_skewed``). It marks the rows it takes ``done`` (1; 2 for a skewed row it
+gathered but leaves, its chosen bin past TIES) and the Triton select, launched after it, selects
+the rest (``SKIP_DONE``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+import triton
+
 from dsacache.ops.topk.cutoff import bit_length
-from dsacache.ops.topk.filter import filter_slice
 from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
 from dsacache.ops.topk.rows import long_row, row_window
 
@@ -71,7 +72,6 @@ mov.b32 $0, 0;
 
 # A row's window and whether it is long: the Triton path's rules, compiled by Gluon.
 _row_window = gluon.jit(row_window.fn)
-_filter_slice = gluon.jit(filter_slice.fn)
 _long_row = gluon.jit(long_row.fn)
 _bit_length = gluon.jit(bit_length.fn)
 _sortable_key = gluon.jit(sortable_key.fn)
@@ -398,11 +398,11 @@ def _write_histogram(hist_buf, hist_row, BINS: gl.constexpr):
 @gluon.jit
 def _dense_stored(seg_row, counts_row, cut, shift, hist_addr, dense_keys, dense_pos, PROGS: gl.constexpr,
                   SEG: gl.constexpr, TILE_SLOTS: gl.constexpr, CAP: gl.constexpr, BINS: gl.constexpr):
-    """The candidates of every segment that holds all of its own (count <= SEG), counted into the
-    shared histogram and copied to their places in the row's dense list (keys at ``dense_keys``,
-    positions at ``dense_pos``); an overflowed segment's place is left for its slice's candidates
-    (``_dense_slice``). Tiles of TILE_SLOTS (as in ``ballot_select``: 32-slot chunks, one warp a
-    run of chunks), CAP / TILE_SLOTS of them."""
+    """The candidates every segment holds (its first SEG at most), counted into the shared
+    histogram and copied to their places in the row's dense list (keys at ``dense_keys``,
+    positions at ``dense_pos``); the places of a segment's candidates past SEG, in the pool, are
+    left for ``_dense_pool``. Tiles of TILE_SLOTS (as in ``ballot_select``: 32-slot chunks, one
+    warp a run of chunks), CAP / TILE_SLOTS of them."""
     W: gl.constexpr = gl.num_warps()
     CPS: gl.constexpr = SEG // 32
     NCH: gl.constexpr = TILE_SLOTS // 32
@@ -413,64 +413,76 @@ def _dense_stored(seg_row, counts_row, cut, shift, hist_addr, dense_keys, dense_
         ch = t * NCH + gl.arange(0, NCH, layout=gl.SliceLayout(1, CH))
         first = (ch % CPS) * 32
         count = gl.load(counts_row + ch // CPS)
-        stored = count <= SEG
-        # A chunk's candidates; an overflowed segment's all count at its first chunk.
-        held = gl.where(stored, gl.minimum(gl.maximum(count - first, 0), 32), gl.where(first == 0, count, 0))
-        held2 = gl.zeros([NCH, 32], gl.int32, CH) + held[:, None]
-        valid = stored[:, None] & (lane < held2)
+        held = gl.minimum(gl.maximum(gl.minimum(count, SEG) - first, 0), 32)
+        # a segment's last chunk also spans the places of its pool part
+        width = held + gl.where(first == SEG - 32, gl.maximum(count - SEG, 0), 0)
+        zero = gl.zeros([NCH, 32], gl.int32, CH)
+        valid = lane < zero + held[:, None]
         idx = ((ch // CPS) * SEG + first)[:, None] + lane
         key, pos = _load_candidates(seg_row, 0, idx, False)
         count_bins_shared(hist_addr, _candidate_bin(key.to(gl.uint32, bitcast=True) - cut, shift, BINS), valid)
-        at = placed + _exclusive_over_chunks(held2) + lane
+        at = placed + _exclusive_over_chunks(zero + width[:, None]) + lane
         gl.store(dense_keys + at, key, mask=valid)
         gl.store(dense_pos + at, pos, mask=valid)
-        placed += gl.sum(held, axis=0)
+        placed += gl.sum(width, axis=0)
+
+
+@gluon.constexpr_function
+def _next_power_of_2(n):
+    return triton.next_power_of_2(n)
 
 
 @gluon.jit
-def _dense_slice(row_ptr, start, lo, hi, cut, shift, hist_addr, dense_keys, dense_pos, BINS: gl.constexpr):
-    """The candidates (key >= cut) of the row's columns [lo, hi), counted into the shared
-    histogram and written in position order from ``dense_keys`` / ``dense_pos`` (positions from
-    ``start``). Blocks of 8 chunks of 32 columns a warp, the next block's loads in flight while
-    one is placed; places by warp ballots and a scan over the chunks."""
+def _dense_pool(pool_row, counts_row, cut, shift, hist_addr, dense_keys, dense_pos, PROGS: gl.constexpr,
+                SEG: gl.constexpr, BS: gl.constexpr, POOL: gl.constexpr, BINS: gl.constexpr):
+    """The candidates in the row's pool blocks (``filter.pool_layout``), counted into the shared
+    histogram and copied to their places in the dense list: program p's r-th block holds its
+    candidates from slot SEG + r BS on (it took its blocks in position order), placed after all
+    candidates of the programs before p. A warp a block, W blocks a step."""
     W: gl.constexpr = gl.num_warps()
-    RC: gl.constexpr = 8 * W
-    BLK: gl.constexpr = 32 * RC
-    L: gl.constexpr = gl.BlockedLayout([RC // W, 1], [1, 32], [W, 1], [1, 0])
-    cut_f = _key_to_float(cut)
-    col = lo + (gl.arange(0, RC, layout=gl.SliceLayout(1, L))[:, None] * 32
-                + gl.arange(0, 32, layout=gl.SliceLayout(0, L))[None, :])
-    x = gl.load(row_ptr + col, mask=col < hi, other=0.0)
-    running = lo * 0
-    for _ in range(gl.cdiv(hi - lo, BLK)):
-        x_next = gl.load(row_ptr + col + BLK, mask=col + BLK < hi, other=0.0)
-        keep = (col < hi) & (x >= cut_f)
-        key = _sortable_key_not_nan(gl.where(keep, x, 0.0))
-        count_bins_shared(hist_addr, _candidate_bin(key - cut, shift, BINS), keep)
-        cnt, before = _ballot_counts(keep.to(gl.int32))
-        at = running + _exclusive_over_chunks(cnt) + before
-        gl.store(dense_keys + at, key.to(gl.int32, bitcast=True), mask=keep)
-        gl.store(dense_pos + at, col - start, mask=keep)
-        running += gl.sum(gl.max(cnt, axis=1), axis=0)
-        col += BLK
-        x = x_next
+    PB: gl.constexpr = _next_power_of_2(POOL)
+    L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [W, 1], [1, 0])
+    BL: gl.constexpr = gl.BlockedLayout([1, BS // 32], [1, 32], [W, 1], [1, 0])
+    OWNER: gl.constexpr = 2 * POOL * BS
+    used = gl.minimum(gl.load(pool_row + OWNER + POOL), POOL)
+    j = gl.arange(0, PB, layout=gl.SliceLayout(0, L2))
+    owners = gl.load(pool_row + OWNER + j, mask=j < used, other=-1)[None, :]
+    q = gl.arange(0, PROGS, layout=gl.SliceLayout(0, L2))
+    counts = gl.load(counts_row + q)[None, :]
+    slot = gl.arange(0, BS, layout=gl.SliceLayout(0, BL))[None, :]
+    pairs = pool_row.to(gl.pointer_type(gl.int64))
+    for c in range(gl.cdiv(used, W)):
+        b = c * W + gl.arange(0, W, layout=gl.SliceLayout(1, L2))
+        owner = gl.load(pool_row + OWNER + b, mask=b < used, other=-1)[:, None]
+        rank = gl.sum(((j[None, :] < b[:, None]) & (owners == owner)).to(gl.int32), axis=1)
+        before = gl.sum(gl.where(q[None, :] < owner, counts, 0), axis=1)
+        first = SEG + BS * rank
+        held = gl.sum(gl.where(q[None, :] == owner, counts, 0), axis=1) - first  # <= 0 past the used blocks
+        at = gl.convert_layout(before + first, gl.SliceLayout(1, BL))[:, None]
+        held = gl.convert_layout(held, gl.SliceLayout(1, BL))[:, None]
+        bb = gl.convert_layout(gl.minimum(b, POOL - 1), gl.SliceLayout(1, BL))[:, None]  # in the pool, unmasked
+        valid = slot < held
+        key, pos = _load_candidates(pairs, 0, bb * BS + slot, False)
+        count_bins_shared(hist_addr, _candidate_bin(key.to(gl.uint32, bitcast=True) - cut, shift, BINS), valid)
+        gl.store(dense_keys + at + slot, key, mask=valid)
+        gl.store(dense_pos + at + slot, pos, mask=valid)
 
 
 @gluon.jit
-def _select_skewed(row_ptr, start, n, cut, shift, hist_buf, hist_addr, seg_row, counts_row, dense_keys, dense_pos,
+def _select_skewed(n, cut, shift, hist_buf, hist_addr, seg_row, counts_row, pool_row, dense_keys, dense_pos,
                    total_cell, out_row, K: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr,
-                   CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr, TILE: gl.constexpr):
+                   CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr, BS: gl.constexpr,
+                   POOL: gl.constexpr):
     """A skewed row (some filter program found more than SEG candidates, e.g. logits growing with
     the position) with between k and CAP candidates: its candidates gathered densely, in position
     order, into ``dense_keys`` / ``dense_pos`` (the Triton select's buffers, rows of CAP + TIES;
-    ``_dense_stored``, and each overflowed segment's slice of the row, the filter's
-    ``filter.filter_slice`` of whole TILE-column tiles, filtered again by ``_dense_slice``), the
-    histogram counted from nothing on the way, then ``ballot_select`` over the dense list as one
-    segment, PROGS x LOAD slots loaded (the common row's tile: no more registers), the chosen bin
-    ranked in the scratch after the list. ``total_cell``: an int32 the list's length passes
-    through. Returns 1 if that took the row (written to ``out_row``), else 2: the dense list and
-    the histogram are left for the Triton select (more candidates than that tile, or a chosen bin
-    of more than TIES)."""
+    ``_dense_stored`` from the segments, ``_dense_pool`` from the pool blocks of BS the filter put
+    the rest in), the histogram counted from nothing on the way, then ``ballot_select`` over the
+    dense list as one segment, PROGS x LOAD slots loaded (the common row's tile: no more
+    registers), the chosen bin ranked in the scratch after the list. ``total_cell``: an int32 the
+    list's length passes through. Returns 1 if that took the row (written to ``out_row``), else 2:
+    the dense list and the histogram are left for the Triton select (more candidates than that
+    tile, or a chosen bin of more than TIES)."""
     W: gl.constexpr = gl.num_warps()
     PL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     gl.thread_barrier()  # every warp past its reads of the histogram the first select counted
@@ -478,15 +490,8 @@ def _select_skewed(row_ptr, start, n, cut, shift, hist_buf, hist_addr, seg_row, 
     gl.thread_barrier()  # zeroed before any thread counts
     _dense_stored(seg_row, counts_row, cut, shift, hist_addr, dense_keys, dense_pos, PROGS, SEG, PROGS * LOAD, CAP,
                   BINS)
-    progs = gl.arange(0, PROGS, layout=PL)
-    counts = gl.load(counts_row + progs)
-    total = gl.sum(counts, axis=0)
-    for p in range(PROGS):
-        if gl.load(counts_row + p) > SEG:
-            lo, hi = _filter_slice(start, n, p, PROGS, TILE)
-            lo = gl.maximum(lo, start)
-            base = gl.sum(gl.where(progs < p, counts, 0), axis=0)
-            _dense_slice(row_ptr, start, lo, hi, cut, shift, hist_addr, dense_keys + base, dense_pos + base, BINS)
+    _dense_pool(pool_row, counts_row, cut, shift, hist_addr, dense_keys, dense_pos, PROGS, SEG, BS, POOL, BINS)
+    total = gl.sum(gl.load(counts_row + gl.arange(0, PROGS, layout=PL)), axis=0)
     gl.store(total_cell, total)
     gl.thread_barrier()  # the dense list, its length and the histogram complete
     fast = ballot_select(n, cut, shift, hist_buf, dense_keys, total_cell, dense_keys + total, dense_pos + total,
@@ -496,7 +501,6 @@ def _select_skewed(row_ptr, start, n, cut, shift, hist_buf, hist_addr, seg_row, 
 
 @gluon.jit(do_not_specialize=["hist_smem"])
 def topk_select_ballot_kernel(
-    logits_ptr,       # [R, row_stride] fp32 (read only for a skewed row: its overflowed slices)
     lens_ptr,         # [R] int32 or int64 valid lengths (clamped here)
     starts_ptr,       # [R] int32 or int64 first valid columns (clamped here)
     out_ptr,          # [R, K] int32
@@ -507,27 +511,30 @@ def topk_select_ballot_kernel(
     counts_ptr,       # [R, PROGS] int32
     tie_keys_ptr,     # [R, stride_tie] int32 scratch: the chosen bin's candidates
     tie_pos_ptr,      # [R, stride_tie] int32 scratch
+    pool_ptr,         # [R, POOL_ROW] int32 (from topk_filter_kernel): the candidates past each segment
     done_ptr,         # [R] int32 out: 1 where this kernel selected the row, 2 where it left a skewed row's
                       # candidates densely over its segments (``_select_skewed``), else 0
-    row_stride, width, stride_tie,
+    width, stride_tie,
     hist_smem,        # byte offset of ``hist_buf`` in shared memory (triton_utils.shared_buffer_offset)
     K: gl.constexpr, SAMPLES: gl.constexpr, PROGS: gl.constexpr, SEG: gl.constexpr, LOAD: gl.constexpr,
     CAP: gl.constexpr, BINS: gl.constexpr, TIES: gl.constexpr, HAS_STARTS: gl.constexpr, PDL: gl.constexpr,
-    TILE: gl.constexpr,  # the filter's tile (its slices are whole tiles)
+    TILE: gl.constexpr,  # the filter's tile: the pool's block
+    POOL: gl.constexpr, POOL_ROW: gl.constexpr,  # pool blocks and row words (filter.pool_layout)
 ):
     """Step 3 of the three-kernel path on Hopper: one program a row, ``ballot_select`` after
     the Triton filter (launched with PDL: it waits for the filter's grid first). The filter
     does not count its candidates here (its histogram atomics were L2 transactions a
     candidate): this kernel counts them in shared memory. A skewed row (a segment past SEG) it
-    gathers densely and selects from there (``_select_skewed``); for a row it leaves with between
-    k and CAP candidates it writes the histogram for the Triton select."""
+    gathers densely from the segments and the pool and selects from there (``_select_skewed``);
+    for a row it leaves with between k and CAP candidates it writes the histogram for the Triton
+    select."""
     W: gl.constexpr = gl.num_warps()
     hist_buf = histogram_buffer(BINS, W)  # the row's candidate histogram (a program a row: zeroed once)
     row = gl.program_id(0)
     if PDL:
         _gdc_wait()
         _gdc_launch_dependents()  # the Triton select (rows left to it) waits for this grid anyway
-    start, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
+    _, n = _row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
     taken = n * 0
     if _long_row(n, K, SAMPLES):
         cut = gl.load(cut_ptr + row).to(gl.uint32, bitcast=True)
@@ -549,10 +556,10 @@ def topk_select_ballot_kernel(
                 if skewed:
                     # The dense list goes to the Triton select's buffers, which the scratch shares; its
                     # length passes through this row's `done`, written last.
-                    taken = _select_skewed(logits_ptr + row.to(gl.int64) * row_stride, start, n, cut, shift,
-                                           hist_buf, hist_addr, seg_row, counts_row, tie_keys,
+                    taken = _select_skewed(n, cut, shift, hist_buf, hist_addr, seg_row, counts_row,
+                                           pool_ptr + row.to(gl.int64) * POOL_ROW, tie_keys,
                                            tie_pos_ptr + row.to(gl.int64) * stride_tie, done_ptr + row, out_row, K,
-                                           PROGS, SEG, LOAD, CAP, BINS, TIES, TILE)
+                                           PROGS, SEG, LOAD, CAP, BINS, TIES, TILE, POOL)
                 else:
                     _count_past_load(seg_row, counts_row, cut, shift, hist_addr, PROGS, SEG, LOAD, CAP, BINS)
                 if taken != 1:

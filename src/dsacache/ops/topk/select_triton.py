@@ -10,8 +10,8 @@ path does not cover each have their own branch:
   select;
 * a missed cut-off (fewer than k candidates, or more than CAP): the whole-row radix select;
 * a skewed row (a program over its CAP / PROGS share, e.g. logits growing with the
-  position): gathered into a dense buffer, the overflowed programs' slices filtered again
-  from the row, then selected like the rest.
+  position): gathered into a dense buffer from the segments and the pool blocks the filter
+  put the rest in (``filter.pool_layout``), then selected like the rest.
 
 On Hopper, for logits wider than the row kernel takes (``row_gluon``, which finishes every
 row itself), the Gluon ballot select (``select_gluon``) runs first after the Triton filter and
@@ -25,11 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsacache.ops.topk.filter import filter_slice
-from dsacache.ops.topk.keys import key_to_float, sortable_key
+from dsacache.ops.topk.keys import sortable_key
 from dsacache.ops.topk.radix import exclusive_scan_2d, histogram_cut, narrow_bin_and_write, select_short_row, \
     select_whole_row
-from dsacache.ops.topk.rows import long_row, row_setup, row_window
+from dsacache.ops.topk.rows import long_row, row_setup
 from dsacache.ops.triton_utils import INTERPRET, loop_bound
 
 if not INTERPRET:
@@ -47,8 +46,9 @@ def topk_select_kernel(
     hist_ptr,         # [R, BINS] int32 (from topk_filter_kernel)
     seg_ptr,          # [R, PROGS, CAP // PROGS] int64 (from topk_filter_kernel): pos << 32 | key
     counts_ptr,       # [R, PROGS] int32
-    buf_keys_ptr,     # [R, CAP + TIES] int32 scratch: a skewed row's candidates again, densely; the chosen bin's
+    buf_keys_ptr,     # [R, CAP + TIES] int32 scratch: a skewed row's candidates, densely; the chosen bin's
     buf_pos_ptr,      # [R, CAP + TIES] int32 scratch
+    pool_ptr,         # [R, POOL_ROW] int32 (from topk_filter_kernel): the candidates past each segment
     row_stride, width,  # logits row stride and width (columns)
     K: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLES: tl.constexpr, PROGS: tl.constexpr,
     BINS: tl.constexpr, BITS: tl.constexpr, TIES: tl.constexpr, PDL: tl.constexpr,
@@ -57,13 +57,14 @@ def topk_select_kernel(
     done_ptr=None,  # [R] int32 (with SKIP_DONE): 1 for the rows the Gluon select already wrote, 2 for a skewed
                     # row whose candidates it left densely in buf_keys / buf_pos
     SKIP_DONE: tl.constexpr = False,
-    TILE: tl.constexpr = 256,  # the filter's tile (32 V): its slices are re-filtered for a skewed row
+    TILE: tl.constexpr = 256,  # the filter's tile (32 V): the pool's block
+    POOL: tl.constexpr = 0, POOL_ROW: tl.constexpr = 0,  # pool blocks and row words (filter.pool_layout)
 ):
     """One program a row: exact selection from the candidates in registers.
 
     A skewed row (a program found more than its CAP / PROGS share, e.g. logits that grow
-    with the position) is gathered into a dense buffer (``_gather_skewed``: the overflowed
-    programs' slices filtered again) and selected the same way; short rows and a missed
+    with the position) is gathered into a dense buffer (``_gather_skewed``: the segments and
+    the pool blocks) and selected the same way; short rows and a missed
     cut-off take the radix select over the row. With SKIP_DONE, after the Gluon ballot select
     (``select_gluon``), only the rows it left (``done`` 0, or 2: a skewed row already gathered
     densely)."""
@@ -75,16 +76,16 @@ def topk_select_kernel(
         done = tl.load(done_ptr + row)
     if done != 1:
         _select_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, seg_ptr, counts_ptr,
-                    buf_keys_ptr, buf_pos_ptr, row_stride, width, row, done == 2, K, BLOCK, CAP, SAMPLES, PROGS, BINS,
-                    BITS, TIES, HAS_STARTS, LOAD, TILE)
+                    buf_keys_ptr, buf_pos_ptr, pool_ptr + row.to(tl.int64) * POOL_ROW, row_stride, width, row,
+                    done == 2, K, BLOCK, CAP, SAMPLES, PROGS, BINS, BITS, TIES, HAS_STARTS, LOAD, TILE, POOL)
 
 
 @triton.jit
 def _select_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, hist_ptr, seg_ptr, counts_ptr,
-                buf_keys_ptr, buf_pos_ptr, row_stride, width, row, dense,
+                buf_keys_ptr, buf_pos_ptr, pool_row, row_stride, width, row, dense,
                 K: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLES: tl.constexpr,
                 PROGS: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr, TIES: tl.constexpr,
-                HAS_STARTS: tl.constexpr, LOAD: tl.constexpr, TILE: tl.constexpr):
+                HAS_STARTS: tl.constexpr, LOAD: tl.constexpr, TILE: tl.constexpr, POOL: tl.constexpr):
     """The body of ``topk_select_kernel`` for one row. ``dense``: the Gluon ballot select left this
     skewed row's candidates in the buffers already (``select_gluon._select_skewed``)."""
     SEG: tl.constexpr = CAP // PROGS
@@ -127,9 +128,7 @@ def _select_row(logits_ptr, lens_ptr, starts_ptr, out_ptr, cut_ptr, shift_ptr, h
             j = tl.arange(0, CAP // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :]
             live = j < total
             if not dense:
-                start, _ = row_window(lens_ptr, starts_ptr, row, width, HAS_STARTS)
-                _gather_skewed(row_ptr, start, n, counts, seg_row, key_to_float(cut), buf_keys, buf_pos, SEG, PROGS,
-                               TILE, CAP, BLOCK)
+                _gather_skewed(counts, seg_row, pool_row, buf_keys, buf_pos, SEG, PROGS, TILE, POOL)
                 tl.debug_barrier()  # the buffer was written by other threads of this program
             # buf_keys doubles as the chosen bin's scratch: past the candidates
             _select_candidates(tl.load(buf_keys + j, mask=live, other=0), tl.load(buf_pos + j, mask=live, other=-1),
@@ -184,47 +183,31 @@ def _cut_in_bin(dist, pos, in_chosen, in_bin, left, scratch_keys, scratch_pos, T
 
 
 @triton.jit
-def _gather_skewed(row_ptr, start, n, counts, seg_row, cut_f, buf_keys, buf_pos,
-                   SEG: tl.constexpr, PROGS: tl.constexpr, TILE: tl.constexpr, CAP: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """A skewed row's candidates, densely and in position order, into the buffers: each
-    segment that holds all its candidates (count <= SEG) is copied, each overflowed one (its
-    program found more than SEG) is filtered again from its own slice of the row only. The
-    counts are exact either way, so every segment lands at its prefix-sum offset."""
+def _gather_skewed(counts, seg_row, pool_row, buf_keys, buf_pos, SEG: tl.constexpr, PROGS: tl.constexpr,
+                   BS: tl.constexpr, POOL: tl.constexpr):
+    """A skewed row's candidates, densely and in position order, into the buffers: program p's
+    at the prefix sum of the counts before it, its first SEG from its segment, the rest from its
+    pool blocks (``filter.pool_layout``), which it took in position order. The caller has
+    checked that the row's candidates fit CAP, so the pool held them all."""
     offsets = tl.cumsum(counts, axis=0) - counts
     lane = tl.arange(0, SEG)[None, :]
-    kept = (lane < counts[:, None]) & (counts[:, None] <= SEG)
+    kept = lane < tl.minimum(counts, SEG)[:, None]
     pair = tl.load(seg_row + lane, mask=kept)
     tl.store(buf_keys + offsets[:, None] + lane, pair.to(tl.int32), mask=kept)
     tl.store(buf_pos + offsets[:, None] + lane, (pair >> 32).to(tl.int32), mask=kept)
     progs = tl.arange(0, PROGS)
-    over = counts > SEG
-    nth = tl.cumsum(over.to(tl.int32), axis=0) - 1
-    for i in range(loop_bound(tl.sum(over.to(tl.int32), axis=0))):
-        pick = over & (nth == i)
-        prog = tl.sum(tl.where(pick, progs, 0), axis=0)
-        at = tl.sum(tl.where(pick, offsets, 0), axis=0)
-        lo, hi = filter_slice(start, n, prog, PROGS, TILE)
-        # row_ptr is the row's column ``start``: positions are relative to it
-        _filter_dense(row_ptr, tl.maximum(lo - start, 0), hi - start, cut_f, buf_keys + at, buf_pos + at, CAP, BLOCK)
-
-
-@triton.jit
-def _filter_dense(row_ptr, lo, hi, cutoff, buf_keys, buf_pos, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy (key, position) of every logit in [lo, hi) that is >= cutoff, in order, into the
-    buffers (at most CAP); return how many there are."""
-    lanes = tl.arange(0, BLOCK)
-    count = tl.zeros([], tl.int32)
-    for c in tl.range(0, loop_bound(tl.cdiv(hi - lo, BLOCK)), num_stages=3):
-        idx = lo + c * BLOCK + lanes
-        x = tl.load(row_ptr + idx, mask=idx < hi, other=float("-inf"))
-        keep = ((idx < hi) & (x >= cutoff)).to(tl.int32)
-        slot = count + tl.cumsum(keep, axis=0) - keep
-        room = (keep != 0) & (slot < CAP)
-        tl.store(buf_keys + slot, sortable_key(x).to(tl.int32, bitcast=True), mask=room)
-        tl.store(buf_pos + slot, idx, mask=room)
-        count += tl.sum(keep, axis=0)
-    return count
+    held = tl.zeros([PROGS], tl.int32)  # pool blocks of each program copied so far
+    pairs = pool_row.to(tl.pointer_type(tl.int64))
+    slot = tl.arange(0, BS)
+    for b in range(loop_bound(tl.minimum(tl.load(pool_row + 2 * POOL * BS + POOL), POOL))):
+        mine = progs == tl.load(pool_row + 2 * POOL * BS + b)
+        first = SEG + BS * tl.sum(tl.where(mine, held, 0), axis=0)  # the block's first slot in its program
+        at = tl.sum(tl.where(mine, offsets, 0), axis=0) + first
+        live = first + slot < tl.sum(tl.where(mine, counts, 0), axis=0)
+        found = tl.load(pairs + b * BS + slot, mask=live)
+        tl.store(buf_keys + at + slot, found.to(tl.int32), mask=live)
+        tl.store(buf_pos + at + slot, (found >> 32).to(tl.int32), mask=live)
+        held += mine.to(tl.int32)
 
 
 @triton.jit
