@@ -304,7 +304,8 @@ def filter_tile_ptx(v: int, hist: str = "global", pool: int = 0) -> str:
     the segment stores as before; otherwise it knows the (at most two) places its slots fall in,
     the segment or the program's last block and a new block taken by lane 0 (an atomic on the
     row's cursor, the owner written beside it), and picks one a candidate. The last block travels
-    in each lane's second count value.
+    in each lane's second count value. A step that keeps every logit of the tile (a slice full of
+    candidates, as in sorted rows) skips the passes: its slots are its columns, stored at once.
     Operands (``pack=v``, each input passed as v registers, only the first read for the scalar
     ones): out count (with a pool, the second out the last block, read back as the second count
     in); x bits, positions, count, cut-off float bits, span, cut-off key, shift, segment and
@@ -369,8 +370,9 @@ def filter_tile_ptx(v: int, hist: str = "global", pool: int = 0) -> str:
               "selp.b64 a, basea, baseb, ina;", "mad.wide.u32 a, oo, 8, a;", "and.pred q, ina, oka;",
               "not.pred r2, ina;", "and.pred r2, r2, okb;", "or.pred q, q, r2;", "and.pred q, q, y;",
               "@q st.global.v2.b32 [a], {key, p};"]
-    if pool:
-        lines += ["@!fast bra.uni POOLED_${:uid};"]
+    if pool:  # a step that keeps every logit goes straight to its stores (DENSE, below)
+        lines += [f"setp.eq.u32 q, m, {(1 << v) - 1};", "vote.sync.all.pred q, q, -1;", "@q bra.uni DENSE_${:uid};",
+                  "@!fast bra.uni POOLED_${:uid};"]
     loops = [("PASS", home)] + ([("POOLED", []), ("ONE", single), ("TWO", placed)] if pool else [])
     for label, store in loops:
         if label == "POOLED":  # which of the two pool loops: one place (ina: all in a, r2: all in b) or two
@@ -404,10 +406,31 @@ def filter_tile_ptx(v: int, hist: str = "global", pool: int = 0) -> str:
         for r in range(runs):
             lines += [f"setp.eq.and.u32 q, t, {r}, y;", f"@q add.u32 b{r}, b{r}, 1;"]
         lines += [f"bra.uni {label}_${{:uid}};"]
+    if pool:
+        lines += _dense_step_ptx(v, arg, offset, hist, placed, seg=arg(seg), cap=arg(cap))
     lines += ["DONE_${:uid}:"]
     lines += [f"mov.b32 {out(i)}, {'lb' if pool and i == 1 else 'acc'};" for i in range(v)]
     lines.append("}")
     return "\n".join(lines)
+
+
+def _dense_step_ptx(v: int, arg, offset, hist: str, placed: list[str], seg: str, cap: str) -> list[str]:
+    """PTX of a tile step that keeps every logit (``filter_tile_ptx`` with a pool): each value's
+    slot is the step's first plus its column in the tile, so it is stored at once, without the
+    passes. In a fast step (all in the segment) the places are set to the segment first, so the
+    two-place store of the pool loop (``placed``, which reads u, key, p, y) serves both."""
+    x, pos, cut, shift, hist_arg, last = 0, 1, 5, 6, 8, 10
+    lines = ["DENSE_${:uid}:", f"@fast mov.b32 bnd, {cap};", "@fast mov.b32 offa, 0;", f"@fast mov.b64 basea, {seg};",
+             "@fast setp.eq.u32 oka, 0, 0;", f"shfl.sync.idx.b32 j, {arg(pos)}, 0, 31, -1;", "setp.eq.u32 y, 0, 0;"]
+    for i in range(v):
+        lines += [f"add.s32 p, {arg(pos)}, {offset(i)};", "sub.s32 u, p, j;", "add.u32 u, u, c0;",
+                  f"shr.s32 t, {arg(x, i)}, 31;", "or.b32 t, t, 0x80000000;", f"xor.b32 key, {arg(x, i)}, t;"]
+        if hist == "global":
+            lines += [f"sub.u32 bin, key, {arg(cut)};", f"shr.u32 bin, bin, {arg(shift)};",
+                      f"min.u32 bin, bin, {arg(last)};", f"mad.wide.u32 a, bin, 4, {arg(hist_arg)};",
+                      "red.global.add.u32 [a], 1;"]
+        lines += placed
+    return lines + ["bra.uni DONE_${:uid};"]
 
 
 def _pool_places_ptx(seg_cap: str, seg: str, pool_ptr: str, prog: str, blocks: int, tile: int, owner_bytes: int,
