@@ -189,6 +189,8 @@ def test_filter_pool_rule_on_the_gpu(vec):
 
 
 def _check_pool_rule(device, vec):
+    """Run the cut-off and the filter on ``_skewed_rows`` and compare ``pooled_candidates`` with
+    each slice's candidates computed in PyTorch."""
     pytest.importorskip("triton")
     from dsacache.ops.topk import launch
     from dsacache.ops.topk.filter import pool_layout

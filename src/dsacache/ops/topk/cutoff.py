@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsacache.ops.topk.filter import pool_cursor
 from dsacache.ops.topk.keys import sortable_key
 from dsacache.ops.topk.radix import radix_narrow
 from dsacache.ops.topk.rows import long_row, row_setup
@@ -64,8 +65,8 @@ def topk_cutoff_kernel(
         shift = tl.maximum(bit_length(tl.max(keys, axis=0) - cut) - (log_bins - 1), 0)
         tl.store(cut_ptr + row, float_cut(cut).to(tl.int32, bitcast=True))
         tl.store(shift_ptr + row, shift)
-        if POOL > 0:  # the cursor (filter.pool_layout)
-            tl.store(pool_ptr + row.to(tl.int64) * POOL_ROW + 2 * POOL * TILE + POOL, 0)
+        if POOL > 0:
+            tl.store(pool_ptr + row.to(tl.int64) * POOL_ROW + pool_cursor(POOL, TILE), 0)
 
 
 @triton.jit

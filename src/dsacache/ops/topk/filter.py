@@ -139,10 +139,7 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
     span = (hi - start).to(tl.uint32)
     count = tl.zeros([], tl.int32)
     last = tl.zeros([], tl.int32)  # the program's last pool block (Triton steps)
-    # TILE_ASM: the running count in every lane's values but the second, which holds the program's last
-    # pool block (filter_tile_ptx); a lane's second value is at its column 4 l + 1
-    counts = tl.zeros([TILE], tl.int32)
-    block_slot = (lanes % 4 == 1) & (lanes < 128)
+    counts = tl.zeros([TILE], tl.int32)  # TILE_ASM: the running count, and the last pool block (below)
     col = lo + lanes
     x = tl.load(row_ptr + col, mask=col < hi_load, other=0.0, eviction_policy=EVICT)
     if AHEAD == 2:
@@ -185,7 +182,8 @@ def _filter_warp(row_ptr, start, lo, hi, hi_load, cut_ptr, shift_ptr, hist_row, 
         col = nxt
         x = x_next
     if TILE_ASM:
-        count = tl.max(tl.where(block_slot, 0, counts), axis=0)
+        # every lane's values hold the count but its second (column 4 l + 1), the last pool block
+        count = tl.max(tl.where((lanes % 4 == 1) & (lanes < 128), 0, counts), axis=0)
     return count
 
 
@@ -209,8 +207,8 @@ def _candidate_places(seg, pool_row, prog, slot, count, found, last, keep, SEG: 
         grows = _blocks_for(count + found, SEG, BS) > have
         taken = POOL + 0 * count
         if grows:
-            taken = tl.minimum(tl.atomic_add(pool_row + _pool_cursor(POOL, BS), 1, sem="relaxed"), POOL)
-            tl.store(pool_row + 2 * POOL * BS + taken, prog, mask=taken < POOL)
+            taken = tl.minimum(tl.atomic_add(pool_row + pool_cursor(POOL, BS), 1, sem="relaxed"), POOL)
+            tl.store(pool_row + pool_owners(POOL, BS) + taken, prog, mask=taken < POOL)
         block = tl.where(slot < bound, last, taken)
         at = tl.where(slot < bound, slot - (bound - BS), slot - bound)
         in_pool = slot >= SEG
@@ -225,8 +223,14 @@ def _candidate_places(seg, pool_row, prog, slot, count, found, last, keep, SEG: 
 
 
 @triton.jit
-def _pool_cursor(POOL: tl.constexpr, BS: tl.constexpr):
-    """Word index of the cursor in a pool row (``pool_layout``)."""
+def pool_owners(POOL: tl.constexpr, BS: tl.constexpr):
+    """Word index of block 0's owner in a pool row of POOL blocks of BS pairs (``pool_layout``)."""
+    return 2 * POOL * BS
+
+
+@triton.jit
+def pool_cursor(POOL: tl.constexpr, BS: tl.constexpr):
+    """Word index of the cursor in a pool row (``pool_layout``): after the POOL owners."""
     return 2 * POOL * BS + POOL
 
 

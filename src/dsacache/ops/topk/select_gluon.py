@@ -43,6 +43,7 @@ from triton.experimental.gluon import language as gl
 import triton
 
 from dsacache.ops.topk.cutoff import bit_length
+from dsacache.ops.topk.filter import pool_cursor, pool_owners
 from dsacache.ops.topk.keys import key_to_float, sortable_key, sortable_key_not_nan
 from dsacache.ops.topk.rows import long_row, row_window
 
@@ -73,6 +74,8 @@ mov.b32 $0, 0;
 # A row's window and whether it is long: the Triton path's rules, compiled by Gluon.
 _row_window = gluon.jit(row_window.fn)
 _long_row = gluon.jit(long_row.fn)
+_pool_cursor = gluon.jit(pool_cursor.fn)
+_pool_owners = gluon.jit(pool_owners.fn)
 _bit_length = gluon.jit(bit_length.fn)
 _sortable_key = gluon.jit(sortable_key.fn)
 _sortable_key_not_nan = gluon.jit(sortable_key_not_nan.fn)
@@ -443,17 +446,17 @@ def _dense_pool(pool_row, counts_row, cut, shift, hist_addr, dense_keys, dense_p
     PB: gl.constexpr = _next_power_of_2(POOL)
     L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [W, 1], [1, 0])
     BL: gl.constexpr = gl.BlockedLayout([1, BS // 32], [1, 32], [W, 1], [1, 0])
-    OWNER: gl.constexpr = 2 * POOL * BS
-    used = gl.minimum(gl.load(pool_row + OWNER + POOL), POOL)
+    owner_of = pool_row + _pool_owners(POOL, BS)
+    used = gl.minimum(gl.load(pool_row + _pool_cursor(POOL, BS)), POOL)
     j = gl.arange(0, PB, layout=gl.SliceLayout(0, L2))
-    owners = gl.load(pool_row + OWNER + j, mask=j < used, other=-1)[None, :]
+    owners = gl.load(owner_of + j, mask=j < used, other=-1)[None, :]
     q = gl.arange(0, PROGS, layout=gl.SliceLayout(0, L2))
     counts = gl.load(counts_row + q)[None, :]
     slot = gl.arange(0, BS, layout=gl.SliceLayout(0, BL))[None, :]
     pairs = pool_row.to(gl.pointer_type(gl.int64))
     for c in range(gl.cdiv(used, W)):
         b = c * W + gl.arange(0, W, layout=gl.SliceLayout(1, L2))
-        owner = gl.load(pool_row + OWNER + b, mask=b < used, other=-1)[:, None]
+        owner = gl.load(owner_of + b, mask=b < used, other=-1)[:, None]
         rank = gl.sum(((j[None, :] < b[:, None]) & (owners == owner)).to(gl.int32), axis=1)
         before = gl.sum(gl.where(q[None, :] < owner, counts, 0), axis=1)
         first = SEG + BS * rank

@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsacache.ops.topk.filter import pool_cursor, pool_owners
 from dsacache.ops.topk.keys import sortable_key
 from dsacache.ops.topk.radix import exclusive_scan_2d, histogram_cut, narrow_bin_and_write, select_short_row, \
     select_whole_row
@@ -199,8 +200,8 @@ def _gather_skewed(counts, seg_row, pool_row, buf_keys, buf_pos, SEG: tl.constex
     held = tl.zeros([PROGS], tl.int32)  # pool blocks of each program copied so far
     pairs = pool_row.to(tl.pointer_type(tl.int64))
     slot = tl.arange(0, BS)
-    for b in range(loop_bound(tl.minimum(tl.load(pool_row + 2 * POOL * BS + POOL), POOL))):
-        mine = progs == tl.load(pool_row + 2 * POOL * BS + b)
+    for b in range(loop_bound(tl.minimum(tl.load(pool_row + pool_cursor(POOL, BS)), POOL))):
+        mine = progs == tl.load(pool_row + pool_owners(POOL, BS) + b)
         first = SEG + BS * tl.sum(tl.where(mine, held, 0), axis=0)  # the block's first slot in its program
         at = tl.sum(tl.where(mine, offsets, 0), axis=0) + first
         live = first + slot < tl.sum(tl.where(mine, counts, 0), axis=0)
