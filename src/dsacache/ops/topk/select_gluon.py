@@ -533,6 +533,8 @@ def topk_select_ballot_kernel(
     select."""
     W: gl.constexpr = gl.num_warps()
     hist_buf = histogram_buffer(BINS, W)  # the row's candidate histogram (a program a row: zeroed once)
+    # The zeroing before any warp counts into it (PTX the compiler does not see), while the filter finishes.
+    gl.thread_barrier()
     row = gl.program_id(0)
     if PDL:
         _gdc_wait()
