@@ -77,6 +77,13 @@ def topk_indices(
         then ``-1`` (all ``-1`` for an empty window, e.g. ``L = 0``). The same input gives the
         same output on every run, on either path.
 
+    Scratch: the kernels take their buffers from PyTorch's caching allocator on each call (inside
+    a CUDA graph, from the graph's pool). At k = 2048 that is nothing for rows up to 4K wide on
+    Hopper, about 130 KiB a row up to 32K there, and for wider rows (or on other GPUs) about 200
+    KiB a row at large R to 330 KiB at R = 64 on 132 SMs: the candidate segments, the select's
+    buffers, the histogram and the candidate pool (``launch.new_pool``), which grows with the
+    filter programs a row.
+
     Raises:
         ValueError: naming the argument, for a wrong type, dtype, shape or device, before
             anything is written; the same on both paths.
