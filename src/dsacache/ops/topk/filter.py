@@ -45,9 +45,15 @@ def pool_layout(cap: int, progs: int, tile: int) -> tuple[int, int, int, int]:
     program that took it), then the cursor (blocks taken so far; it may run past ``blocks``), the
     row padded to 16 bytes. CAP / tile + PROGS blocks (the module docstring says why)."""
     blocks = cap // tile + progs
-    owner = 2 * blocks * tile
-    cursor = owner + blocks
+    owner, cursor = pool_words(blocks, tile)
     return blocks, owner, cursor, -(-(cursor + 1) // 4) * 4
+
+
+def pool_words(blocks: int, tile: int) -> tuple[int, int]:
+    """Word index of block 0's owner and of the cursor in a pool row of ``blocks`` blocks of ``tile``
+    pairs (``pool_layout``; in kernels ``pool_owners`` and ``pool_cursor``)."""
+    owner = 2 * blocks * tile
+    return owner, owner + blocks
 
 
 @triton.jit
@@ -325,7 +331,7 @@ def filter_tile_ptx(v: int, hist: str = "global", pool: int = 0) -> str:
     arg = lambda k, i=0: f"${v + k * v + i}"     # noqa: E731
     x, pos, count, cutf, span, cut, shift, seg, hist_arg, cap, last, pool_arg, prog = range(13)
     tile = 32 * v
-    owner_bytes, cursor_bytes = 4 * 2 * pool * tile, 4 * (2 * pool * tile + pool)
+    owner_bytes, cursor_bytes = (4 * word for word in pool_words(pool, tile))
     offset = lambda i: 128 * (i // 4) + i % 4    # noqa: E731  (column of value i from the lane's first)
     index_bits = (v - 1).bit_length()            # bits of a value's index in the lane: the select tree's depth
     lines = ["{", f".reg .pred q, y, {', '.join(f'k{i}' for i in range(v))}, {', '.join(f's{b}' for b in range(4))};",

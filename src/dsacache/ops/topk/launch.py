@@ -294,8 +294,8 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
         return
     hist = torch.empty(rows, plan.bins, dtype=torch.int32, device=device)
     pool = new_pool(rows, cap, progs, vec, device)
-    _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, pool, window, pdl,
-                              common)
+    pooled = _launch_cutoff_and_filter(cfg, plan, logits, lens, starts, cut, shift, hist, seg, counts, pool, window,
+                                       pdl, common)
     if plan.first == "gluon":
         from dsacache.ops.topk.select_gluon import topk_select_ballot_kernel
 
@@ -304,8 +304,7 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
                 window["width"], buf_keys.stride(0))
         consts = dict(SEG=cap // progs, LOAD=plan.load, CAP=cap, TIES=cfg.ties, HAS_STARTS=window["HAS_STARTS"],
                       PDL=pdl["PDL"], TILE=32 * vec, num_warps=cfg.gluon_select_warps,
-                      **pool_constants(pool, cap, progs, vec), **({"launch_pdl": True} if pdl["PDL"] else {}),
-                      **common)
+                      **pooled, **({"launch_pdl": True} if pdl["PDL"] else {}), **common)
         topk_select_ballot_kernel[(rows,)](*args, _hist_offset(topk_select_ballot_kernel, (rows,), args, consts),
                                            **consts)
         skip = {"done_ptr": done, "SKIP_DONE": True}
@@ -314,7 +313,7 @@ def launch_topk(logits: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor |
     topk_select_kernel[(rows,)](logits, lens, starts, out, cut, shift, hist, seg.view(torch.int64), counts,
                                 buf_keys, buf_pos, pool, stride, **window, BLOCK=cfg.block, CAP=cap, BITS=RADIX_BITS,
                                 TIES=cfg.ties, LOAD=plan.load, TILE=32 * vec, num_warps=plan.select_warps, **skip,
-                                **pool_constants(pool, cap, progs, vec), **pdl, **common)
+                                **pooled, **pdl, **common)
 
 
 def new_pool(rows: int, cap: int, progs: int, vec: int, device: torch.device) -> torch.Tensor:
@@ -332,10 +331,11 @@ def pool_constants(pool: torch.Tensor, cap: int, progs: int, vec: int) -> dict:
 def _launch_cutoff_and_filter(cfg: TopkConfig, plan: _Plan, logits: torch.Tensor, lens: torch.Tensor,
                               starts: torch.Tensor, cut: torch.Tensor, shift: torch.Tensor, hist: torch.Tensor,
                               seg: torch.Tensor, counts: torch.Tensor, pool: torch.Tensor, window: dict, pdl: dict,
-                              common: dict) -> None:
+                              common: dict) -> dict:
     """Steps 1 and 2 of the Triton path: the cut-off kernel, then the filter (dependent launch),
-    each program's candidates past its segment in the row's ``pool`` (``new_pool``).
-    Before the Gluon ballot select the filter does not count its candidates: that select does."""
+    each program's candidates past its segment in the row's ``pool`` (``new_pool``); returns the
+    pool's constants (``pool_constants``) for the selects. Before the Gluon ballot select the
+    filter does not count its candidates: that select does."""
     rows, k, vec = logits.shape[0], common["K"], plan.vec
     count_hist = plan.first != "gluon"
     stride = logits.stride(0)
@@ -355,6 +355,7 @@ def _launch_cutoff_and_filter(cfg: TopkConfig, plan: _Plan, logits: torch.Tensor
                                            COUNT=count_hist, num_warps=1, **pooled,
                                            **tile, **pdl,
                                            **common)
+    return pooled
 
 
 #: (kernel, device, constants) -> byte offset of the kernel's shared histogram (``hist_buf``)
