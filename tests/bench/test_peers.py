@@ -421,8 +421,8 @@ def test_logits_rows_carry_deepgemm(next_n, scale, agrees, monkeypatch, capsys):
     fp8_ms, peer_ms, rows = {}, {}, []
     for fmt in ("fp8", "mxfp4"):
         pages = logits.make_pages(8, fmt, torch.device("cpu"))
-        inputs = logits.make_inputs(2, 256, 32, next_n, pages)
-        inputs = (*inputs[:3], pages, inputs[3])
+        q, w, lens, (table,) = logits.make_inputs(2, 256, 32, next_n, pages)
+        inputs = (q, w, lens, pages, table)
         rows.append(logits.time_row(args, inputs, fmt, 256, 1000, fp8_ms, peer_ms))
     fp8, mxfp4 = rows
     assert fp8.peer == "DeepGEMM fp8_fp4_paged_mqa_logits" and mxfp4.peer is None

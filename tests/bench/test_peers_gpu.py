@@ -64,7 +64,7 @@ def test_deepgemm_logits_agree_with_the_reference(loaded, next_n):
 
     peer = _peer(loaded, "logits")
     pages = logits.make_pages(4 * 64, "fp8", torch.device("cuda"))
-    q, weights, seq_lens, block_table = logits.make_inputs(4, 4096, 32, next_n, pages)
+    q, weights, seq_lens, (block_table,) = logits.make_inputs(4, 4096, 32, next_n, pages)
     seq_lens[1] = 4000  # a partly filled last page
     out = peer.make_call(q, weights, seq_lens, pages, block_table, 4096)()
     ref = paged_decode_logits(q, weights, seq_lens, pages, block_table, max_model_len=4096, impl="torch")

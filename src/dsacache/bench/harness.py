@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 import json
 import platform
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -134,6 +135,24 @@ def time_graph(fn: Callable[[], object], window: int = WINDOW, windows: int = WI
     _check_window(window, windows)
     graph = capture_graph(fn, calls=window)
     return window_median_ms(lambda: _event_ms(graph.replay, spin=True), window, windows)
+
+
+def in_turn(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs ``calls`` one a call, in order from the first, round and round.
+
+    Timed as a window of back-to-back calls (:func:`time_graph`), calls on disjoint inputs
+    taken in turn keep each call from finding in L2 what the call before it read.
+    """
+    if not calls:
+        raise ValueError("in_turn needs at least one call")
+    if len(calls) == 1:
+        return calls[0]
+    turn = itertools.count()
+
+    def call():
+        return calls[next(turn) % len(calls)]()
+
+    return call
 
 
 def copy_ceiling_gbps(nbytes: int = 4 << 30) -> float:

@@ -10,16 +10,22 @@ steps run in serving engines); ``eager_us`` beside them adds the Python launch o
 one call. With ``--peers``, DeepGEMM's paged logits runs on each FP8 row's inputs, is checked
 against the same reference inside each row's length and timed the same way; MXFP4 rows carry
 their speed-up over that DeepGEMM FP8 time (DeepGEMM has no MXFP4 reader on Hopper).
+
+A timed window repeats one call, so keys that fit in L2 (B = 32 at 8K: 35 MB of FP8 keys) stay
+there from one call to the next, which a model step, reading each layer's keys once, does not
+see. ``--tables N`` gives each shape N disjoint block tables over N times the pages, taken in
+turn by the calls of a window (ours and the peer's alike): no call then finds its keys in L2.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
 
-from dsacache.bench.harness import BenchRow, CorrectnessError, time_cuda, time_graph
+from dsacache.bench.harness import BenchRow, CorrectnessError, in_turn, time_cuda, time_graph
 from dsacache.bench.peers import attach_peer, peer_for
 from dsacache.formats.indexer_key import fp8_page_views, mxfp4_page_views, quantize_fp8, quantize_mxfp4
 from dsacache.formats.key_format import IndexerKeyFormat, indexer_entry_bytes
@@ -46,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", nargs="+", default=["fp8", "mxfp4"], choices=["fp8", "mxfp4"])
     parser.add_argument("--sweep", action="store_true",
                         help="also time a grid of launch settings at the largest shape and print each")
+    parser.add_argument("--tables", type=int, default=1,
+                        help="disjoint block tables a shape's calls take in turn (N times the pages): with N > 1 "
+                             "no call finds its keys in L2, as in a model step (default 1: one input set)")
 
 
 def shape_pairs(args: argparse.Namespace) -> list[tuple[int, int]]:
@@ -77,15 +86,21 @@ def make_pages(num_pages: int, fmt: str, device: torch.device) -> torch.Tensor:
     return pages
 
 
-def make_inputs(batch: int, ctx: int, heads: int, next_n: int, pages: torch.Tensor, seed: int = 0):
+def make_inputs(batch: int, ctx: int, heads: int, next_n: int, pages: torch.Tensor, seed: int = 0,
+                tables: int = 1):
+    """(q, weights, seq_lens, block_tables) of one shape: ``tables`` disjoint block tables
+    ``[batch, ctx / 64]`` int32, pages drawn at random from ``pages`` without repeats."""
     gen = torch.Generator(device=pages.device).manual_seed(seed)
     blocks = ctx // KERNEL_PAGE_SIZE
+    if tables < 1 or tables * batch * blocks > pages.shape[0]:
+        raise ValueError(f"tables={tables} of {batch} x {blocks} pages need 1 <= tables and "
+                         f"tables x {batch * blocks} <= {pages.shape[0]} pages")
     q = torch.randn(batch, next_n, heads, HEAD_DIM, device=pages.device, generator=gen).to(torch.float8_e4m3fn)
     weights = torch.rand(batch * next_n, heads, device=pages.device, generator=gen) * heads**-0.5
-    perm = torch.randperm(pages.shape[0], device=pages.device, generator=gen)[: batch * blocks]
-    block_table = perm.view(batch, blocks).to(torch.int32)
+    perm = torch.randperm(pages.shape[0], device=pages.device, generator=gen)[: tables * batch * blocks]
+    block_tables = list(perm.to(torch.int32).view(tables, batch, blocks).unbind(0))
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=pages.device)
-    return q, weights, seq_lens, block_table
+    return q, weights, seq_lens, block_tables
 
 
 def check(args_tuple, fmt: str, max_model_len: int) -> tuple[float, torch.Tensor]:
@@ -142,13 +157,17 @@ def run_sweep(args_tuple, fmt: str, max_model_len: int, ceiling: float, nbytes: 
               f"{'' if ok else ' WRONG'}", flush=True)
 
 
-def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, peer_ms: dict) -> BenchRow:
+def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, peer_ms: dict,
+             more_tables: tuple = ()) -> BenchRow:
     """Check, then time the public function on one shape; FP8 rows get the peer beside them.
-    FP8 times (ours and the peer's) are kept by shape for the MXFP4 rows' speed-up columns."""
+    FP8 times (ours and the peer's) are kept by shape for the MXFP4 rows' speed-up columns.
+    ``more_tables``: further block tables the timed calls take in turn after ``inputs``' own."""
     batch, heads = inputs[0].shape[0], inputs[0].shape[2]
     diff, ref = check(inputs, fmt, ctx)
-    def call():
-        return paged_decode_logits(*inputs, max_model_len=ctx)
+    q, weights, seq_lens, pages, first = inputs
+    tables = (first, *more_tables)
+    call = in_turn([functools.partial(paged_decode_logits, q, weights, seq_lens, pages, table, max_model_len=ctx)
+                    for table in tables])
     ms = time_graph(call)
     extra = {"calc_diff": f"{diff:.1e}", "eager_us": f"{time_cuda(call) * 1e3:.1f}"}
     key = (batch, ctx, heads)
@@ -158,6 +177,8 @@ def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, peer_m
         extra["deepgemm_fp8_us"] = f"{peer_ms[key] * 1e3:.1f}"
         extra["speedup_vs_deepgemm_fp8"] = f"{peer_ms[key] / ms:.2f}x"
     shape = f"{fmt} B={batch} ctx={ctx} H={heads} next_n={args.next_n}"
+    if len(tables) > 1:
+        shape += f" tables={len(tables)}"
     from dsacache.ops.indexer_logits.launch import decode_kernel
 
     views = (mxfp4_page_views if fmt == "mxfp4" else fp8_page_views)(inputs[3], HEAD_DIM)
@@ -166,8 +187,9 @@ def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, peer_m
     if fmt == "fp8":
         fp8_ms[key] = ms
         peer = peer_for(args, "logits")
-        attach_peer(row, peer, lambda: peer.make_call(*inputs, ctx), lambda out: peer_agreement(out, ref),
-                    timer=time_graph)
+        def peer_call():
+            return in_turn([peer.make_call(q, weights, seq_lens, pages, table, ctx) for table in tables])
+        attach_peer(row, peer, peer_call, lambda out: peer_agreement(out, ref), timer=time_graph)
         if row.peer_ms is not None:
             peer_ms[key] = row.peer_ms
     return row
@@ -180,15 +202,17 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
     peer_ms: dict[tuple[int, int, int], float] = {}
     pairs = shape_pairs(args)
     largest_ctx = max(ctx for _, ctx in pairs)
+    if args.tables < 1:
+        raise ValueError(f"--tables must be at least 1, got {args.tables}")
     for fmt in args.formats:
         entry = indexer_entry_bytes(HEAD_DIM, fmt)
-        pages = make_pages(max(batch * ctx for batch, ctx in pairs) // KERNEL_PAGE_SIZE, fmt, device)
+        pages = make_pages(max(batch * ctx for batch, ctx in pairs) // KERNEL_PAGE_SIZE * args.tables, fmt, device)
         for batch, ctx in pairs:
             for heads in args.heads:
-                q, weights, seq_lens, block_table = make_inputs(batch, ctx, heads, args.next_n, pages)
-                inputs = (q, weights, seq_lens, pages, block_table)
+                q, weights, seq_lens, tables = make_inputs(batch, ctx, heads, args.next_n, pages, tables=args.tables)
+                inputs = (q, weights, seq_lens, pages, tables[0])
                 nbytes = batch * ctx * entry + batch * args.next_n * ctx * 4
-                rows.append(time_row(args, inputs, fmt, ctx, nbytes, fp8_ms, peer_ms))
+                rows.append(time_row(args, inputs, fmt, ctx, nbytes, fp8_ms, peer_ms, tuple(tables[1:])))
                 print(rows[-1].line(), flush=True)
                 if args.sweep and ctx == largest_ctx:
                     run_sweep(inputs, fmt, ctx, args.ceiling_gbps, nbytes)
