@@ -162,9 +162,9 @@ def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, peer_m
     """Check, then time the public function on one shape; FP8 rows get the peer beside them.
     FP8 times (ours and the peer's) are kept by shape for the MXFP4 rows' speed-up columns.
     ``more_tables``: further block tables the timed calls take in turn after ``inputs``' own."""
-    batch, heads = inputs[0].shape[0], inputs[0].shape[2]
-    diff, ref = check(inputs, fmt, ctx)
     q, weights, seq_lens, pages, first = inputs
+    batch, heads = q.shape[0], q.shape[2]
+    diff, ref = check(inputs, fmt, ctx)
     tables = (first, *more_tables)
     call = in_turn([functools.partial(paged_decode_logits, q, weights, seq_lens, pages, table, max_model_len=ctx)
                     for table in tables])
@@ -181,8 +181,8 @@ def time_row(args, inputs, fmt: str, ctx: int, nbytes: int, fp8_ms: dict, peer_m
         shape += f" tables={len(tables)}"
     from dsacache.ops.indexer_logits.launch import decode_kernel
 
-    views = (mxfp4_page_views if fmt == "mxfp4" else fp8_page_views)(inputs[3], HEAD_DIM)
-    extra["kernel"] = decode_kernel(inputs[0], views[0], views[1], IndexerKeyFormat(fmt, HEAD_DIM))
+    views = (mxfp4_page_views if fmt == "mxfp4" else fp8_page_views)(pages, HEAD_DIM)
+    extra["kernel"] = decode_kernel(q, views[0], views[1], IndexerKeyFormat(fmt, HEAD_DIM))
     row = BenchRow("paged_decode_logits", shape, ms, nbytes, args.ceiling_gbps, extra)
     if fmt == "fp8":
         fp8_ms[key] = ms
