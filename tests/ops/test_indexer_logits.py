@@ -665,7 +665,7 @@ for heads, next_n, rows, rows2, per_row, pairs in ((32, 1, 1, 0, False, True), (
                                                   (32, 3, 2, 1, True, False), (128, 1, 1, 0, False, False)):
     signature = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", lens_ptr="*i32", pages_ptr="*u8", bt_ptr="*i32",
                      out_ptr="*fp32", num_pages="i32", max_blocks="i32", bt_stride="i32", page_stride="i32",
-                     max_model_len="i32", out_stride="i32")
+                     max_model_len="i32", out_stride="i32", minus_one="i32")
     constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=per_row, TILES=16, ROWS2=rows2, PAIRS=pairs)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),

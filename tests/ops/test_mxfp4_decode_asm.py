@@ -1,9 +1,11 @@
 """The MXFP4 -> e4m3 table decode is inline PTX that only runs on a GPU. This runs the
-kernel's own asm text through a small model of the PTX instructions it uses and checks it
-bit-exact against the plain-op decode (``nibble_to_e4m3``) that the interpreter runs, for
-every byte value in every byte position of a word, every kept group offset and dropped groups."""
+kernels' own asm text (the Triton kernel's whole-word decode and the Gluon kernel's half-word
+one) through a small model of the PTX instructions they use and checks it bit-exact against
+the plain-op decode (``nibble_to_e4m3``) that the interpreter runs, for every byte value in
+every byte position of a word, every kept group offset and dropped groups."""
 
 import random
+import sys
 
 import pytest
 
@@ -12,7 +14,20 @@ pytest.importorskip("triton")
 from dsacache.ops.indexer_logits.mxfp4_e4m3 import WORD_DECODE_ASM  # noqa: E402
 
 M32 = 0xFFFFFFFF
-ASM = WORD_DECODE_ASM.value if hasattr(WORD_DECODE_ASM, "value") else WORD_DECODE_ASM
+
+
+def _text(asm):
+    return asm.value if hasattr(asm, "value") else asm
+
+
+ASM = _text(WORD_DECODE_ASM)
+
+
+def gluon_half_asm():
+    pytest.importorskip("triton.experimental.gluon")
+    from dsacache.ops.indexer_logits.decode_gluon import _HALF_ASM
+
+    return _text(_HALF_ASM)
 
 
 def prmt(a, b, c):
@@ -36,6 +51,8 @@ def s32(x):
 OPS = {
     "setp.ge.s32": lambda v: s32(v[0]) >= s32(v[1]),
     "mad.lo.s32": lambda v: (s32(v[0]) * s32(v[1]) + s32(v[2])) & M32,
+    "mad.lo.u32": lambda v: (v[0] * v[1] + v[2]) & M32,
+    "not.b32": lambda v: ~v[0] & M32,
     "xor.b32": lambda v: v[0] ^ v[1],
     "prmt.b32": lambda v: prmt(*v),
     "shl.b32": lambda v: (v[0] << v[1]) & M32,
@@ -44,13 +61,14 @@ OPS = {
 }
 
 
-def run_asm(word, t):
-    regs = {"$2": word & M32, "$6": t & M32}
+def run_asm(asm, regs):
+    """Run ``asm`` on the operands ``regs`` (``{"$n": value}``); returns every register it set."""
+    regs = {name: v & M32 for name, v in regs.items()}
 
     def value(token):
         return regs[token] if token in regs else int(token, 0) & M32
 
-    for line in ASM.splitlines():
+    for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
             continue
@@ -62,7 +80,19 @@ def run_asm(word, t):
             regs[dst] = OPS[op]([value(s) for s in srcs])
         else:
             raise AssertionError(f"PTX the model does not know: {line}")
+    return regs
+
+
+def word_decode(word, t):
+    """The Triton kernel's decode of one word: (bytes of codes 0-3, of codes 4-7)."""
+    regs = run_asm(ASM, {"$2": word, "$6": t})
     return regs["$0"], regs["$1"]
+
+
+def half_decode(word, t):
+    """The Gluon kernel's decode of one word, a call a half: (low half, high half); its $13 is -1."""
+    asm = gluon_half_asm()
+    return tuple(run_asm(asm, {"$1": word, "$5": shift, "$9": t, "$13": -1})["$0"] for shift in (0, 16))
 
 
 def nibble_to_e4m3(code, offset):
@@ -73,8 +103,8 @@ def nibble_to_e4m3(code, offset):
     return 0 if offset >= 0x80 else byte
 
 
-def check_word(word, t):
-    lo, hi = run_asm(word, t)
+def check_word(word, t, decode=word_decode):
+    lo, hi = decode(word, t)
     offset = 0x80 if t < 0 else 8 * t
     for half, got in enumerate((lo, hi)):
         for j in range(4):
@@ -82,13 +112,14 @@ def check_word(word, t):
             assert (got >> (8 * j)) & 0xFF == nibble_to_e4m3(code, offset), (hex(word), t, half, j)
 
 
-@pytest.mark.parametrize("t", list(range(-3, 12)) + [-13])
-def test_table_asm_every_byte_in_every_position(t):
+@pytest.mark.parametrize("decode", [word_decode, half_decode], ids=["triton_word", "gluon_half"])
+@pytest.mark.parametrize("t", list(range(-3, 12)) + [-13, -244])
+def test_table_asm_every_byte_in_every_position(t, decode):
     rng = random.Random(t)
     for pos in range(4):
         for value in range(256):
             filler = rng.getrandbits(32) & ~(0xFF << (8 * pos))
-            check_word(filler | (value << (8 * pos)), t)
+            check_word(filler | (value << (8 * pos)), t, decode)
 
 
 def test_the_model_catches_a_wrong_table():
@@ -101,3 +132,13 @@ def test_the_model_catches_a_wrong_table():
                 check_word(value * 0x01010101, 0)
     finally:
         ASM = saved
+
+
+def test_the_model_catches_a_table_in_the_wrong_order(monkeypatch):
+    """The negative table is read with the complemented codes, so it must be stored reversed: the
+    order of the sign-flip decode (a table in code order) gives wrong bytes."""
+    asm = gluon_half_asm().replace("0x4C4E5052", "0x4A484440").replace("0x4044484A", "0x52504E4C")
+    monkeypatch.setattr(sys.modules[__name__], "gluon_half_asm", lambda: asm)
+    with pytest.raises(AssertionError):
+        for value in range(256):
+            check_word(value * 0x01010101, 3, half_decode)

@@ -220,7 +220,7 @@ def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_t
     paged_decode_mxfp4_kernel[(runs, batch)](
         q, weights, context_lens, values, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
-        out.stride(0), NEXT_N=next_n, ROWS=rows, H=num_heads,
+        out.stride(0), -1, NEXT_N=next_n, ROWS=rows, H=num_heads,
         PER_ROW=context_lens.dim() == 2, TILES=tiles, ROWS2=rows2,
         PAIRS=(rows + rows2) * num_heads <= cfg["gluon_pair_columns"], num_warps=4,
     )

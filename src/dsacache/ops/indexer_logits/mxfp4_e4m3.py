@@ -63,22 +63,25 @@ def table_columns(col, G: tl.constexpr):
 
 # Per group, two prmt tables: bytes 0..7 of (pl, ph) are the e4m3 codes of the magnitudes
 # 0, 0.5, 1, 1.5 | 2, 3, 4, 6 times 2**(t - 5) (the offset 8 t of `nibble_to_e4m3` added to
-# the nonzero codes once a group), and (nl, nh) hold (that byte | 0x80) >> 1; a dropped group
-# gets all-zero tables. The table math repeats in every word of a group; ptxas computes it
-# once. Per value, the selector nibbles are the codes themselves: bits 0-2 pick a table byte
-# and bit 3, the sign, makes prmt replicate that byte's msb (0 here) instead. So `pos` holds
-# the magnitudes of the positive codes and 0 for the negative ones; with the sign bits flipped
-# first, the second table gives the negative ones, and pos + 2 neg is the signed byte (every
-# magnitude is a multiple of 4, so nothing is lost by the halving, and -0 stays 0x80 as in
-# `nibble_to_e4m3`).
+# the nonzero codes once a group), and (nl, nh) hold (that byte | 0x80) >> 1 in reverse order
+# (byte 7 - m for magnitude m); a dropped group gets all-zero tables. The table math repeats in
+# every word of a group; ptxas computes it once. Per value, the selector nibbles are the codes
+# themselves: bits 0-2 pick a table byte and bit 3, the sign, makes prmt replicate that byte's
+# msb (0 here) instead. So `pos` holds the magnitudes of the positive codes and 0 for the
+# negative ones. The second lookup takes the complemented codes, 15 - code a nibble: bit 3 is
+# clear exactly for the negative codes, and bits 0-2 are 7 - magnitude, hence the reversed
+# table. pos + 2 neg is the signed byte (every magnitude is a multiple of 4, so nothing is lost
+# by the halving, and -0 stays 0x80 as in `nibble_to_e4m3`). The complement of the low 16 bits
+# is 0xFFFF - selector, no borrow, so it can run as an integer multiply-add on the FMA pipe
+# instead of a logic op on the ALU pipe, which the lookups keep busy (docs/benchmarks.md).
 def group_tables_ptx(t: str) -> str:
     """PTX that builds a group's four prmt tables (pl, ph, nl, nh; all zero for a dropped
     group) from its t in operand ``t``."""
     return f"""setp.ge.s32 kept, {t}, 0;
 mad.lo.s32 pl, {t}, 0x08080800, 0x14100800;
 mad.lo.s32 ph, {t}, 0x08080808, 0x24201C18;
-mad.lo.s32 nl, {t}, 0x04040400, 0x4A484440;
-mad.lo.s32 nh, {t}, 0x04040404, 0x52504E4C;
+mad.lo.s32 nl, {t}, 0x04040404, 0x4C4E5052;
+mad.lo.s32 nh, {t}, 0x00040404, 0x4044484A;
 selp.b32 pl, pl, 0, kept;
 selp.b32 ph, ph, 0, kept;
 selp.b32 nl, nl, 0, kept;
@@ -97,8 +100,8 @@ def table_decode_ptx(body: str) -> str:
 
 
 def table_lookup_ptx(out: str, sel: str) -> str:
-    """PTX: the four signed e4m3 bytes of the codes selected by ``sel`` (flip: ``sel`` with its
-    sign bits flipped) from the group's tables, into ``out``."""
+    """PTX: the four signed e4m3 bytes of the codes selected by ``sel`` (flip: the complement of
+    ``sel``'s low 16 bits) from the group's tables, into ``out``."""
     return f"""prmt.b32 pos, pl, ph, {sel};
 prmt.b32 neg, nl, nh, flip;
 shl.b32 neg, neg, 1;
@@ -111,5 +114,5 @@ add.u32 {out}, pos, neg;
 #: (< 0: dropped). pack=4 hands each input over as four copies (one per output byte), only
 #: the first is read.
 WORD_DECODE_ASM = tl.constexpr(table_decode_ptx(
-    group_tables_ptx("$6") + "xor.b32 flip, $2, 0x88888888;\n" + table_lookup_ptx("$0", "$2")
+    group_tables_ptx("$6") + "not.b32 flip, $2;\n" + table_lookup_ptx("$0", "$2")
     + "shr.u32 sel, $2, 16;\nshr.u32 flip, flip, 16;\n" + table_lookup_ptx("$1", "sel")))
