@@ -683,6 +683,40 @@ print("built")
     assert "built" in run_compiled_script(script)
 
 
+def test_mxfp4_gluon_decode_complements_selectors_on_the_fma_pipe():
+    """The Gluon MXFP4 decode's sign lookup takes each 16-bit selector's complement as 0xFFFF +
+    selector * (-1), the -1 a kernel argument, so that ptxas emits an IMAD (FMA pipe) and not an
+    ALU instruction (a literal -1 gives IADD3; the sign-flip XOR it replaced was a LOP3): 16 such
+    IMADs a page and thread, none of the old flips. SASS for sm_90 from Triton's own ptxas and
+    cuobjdump, in a fresh interpreter."""
+    pytest.importorskip("triton.experimental.gluon")
+    script = """
+import os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from dsacache.ops.indexer_logits.decode_gluon import paged_decode_mxfp4_kernel as kernel
+
+signature = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", lens_ptr="*i32", pages_ptr="*u8", bt_ptr="*i32",
+                 out_ptr="*fp32", num_pages="i32", max_blocks="i32", bt_stride="i32", page_stride="i32",
+                 max_model_len="i32", out_stride="i32", minus_one="i32")
+constants = dict(NEXT_N=2, ROWS=2, H=32, PER_ROW=False, TILES=16, ROWS2=0, PAIRS=False)
+signature.update({name: "constexpr" for name in constants})
+compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "k.cubin")
+    open(path, "wb").write(compiled.asm["cubin"])
+    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+imad = len(re.findall(r"IMAD R\\d+, R\\d+, R\\d+(?:\\.reuse)?, 0xffff ", sass))
+alu = len(re.findall(r"(?:IADD3|LOP3)[^;]*0x(?:ffff|8888)", sass))
+print(imad, alu)
+"""
+    imad, alu = map(int, run_compiled_script(script).split()[-2:])
+    assert imad > 0 and imad % 16 == 0 and alu == 0, (imad, alu)
+
+
 def test_docstring_examples_run():
     import doctest
 
