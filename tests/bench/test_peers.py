@@ -334,6 +334,23 @@ def test_peer_for_reads_the_loaded_set():
     assert peers.peer_for(args, "logits") is None
 
 
+def test_a_peer_keeps_its_unpacked_pack_after_its_set_is_gone():
+    """DeepGEMM compiles from the unpacked pack at its first call: a peer taken out of a set that
+    is then dropped (``load_peers(d).get("logits")``) must still find it."""
+    import gc
+    import tempfile
+
+    scratch = tempfile.TemporaryDirectory(prefix="dsacache-peers-test-")
+    path = scratch.name
+    peer = peers.PeerSet({"logits": peers.DeepGemmLogits(object())}, scratch).get("logits")
+    del scratch
+    gc.collect()
+    assert peer is not None and os.path.isdir(path)
+    del peer
+    gc.collect()
+    assert not os.path.exists(path)
+
+
 @pytest.mark.parametrize("suite", list(SUITES))
 def test_every_suite_takes_peers(suite):
     parser = build_parser()

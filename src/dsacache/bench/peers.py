@@ -58,6 +58,7 @@ class Peer:
             raise ValueError(f"{type(self).__name__}: give the loaded op or the reason it is missing")
         self.op = op
         self.reason = "" if op is not None else reason
+        self.scratch = None  # the unpacked pack the op runs from (set by PeerSet), kept alive with it
 
     def available(self) -> bool:
         """True when the op loaded; otherwise ``reason`` says why not."""
@@ -249,12 +250,16 @@ class PeerSet:
 
     Keys: ``"logits"`` (:class:`DeepGemmLogits`), ``"store"`` (:class:`VllmKeyStore`),
     ``"topk"`` (:class:`VllmTopk`), ``"sparse_mla"`` (:class:`FlashMlaSparseDecode`).
-    Holds the scratch directory the pack was unpacked into for as long as it lives.
+    The scratch directory the pack was unpacked into lives as long as the set or any peer
+    taken from it: DeepGEMM compiles from the headers there at its first call, so a peer kept
+    after its set (``load_peers(d).get("logits")``) would otherwise fail then, on a missing file.
     """
 
     def __init__(self, peers: dict[str, Peer], scratch: tempfile.TemporaryDirectory | None = None):
         self.peers = peers
         self._scratch = scratch
+        for peer in peers.values():
+            peer.scratch = scratch
 
     def get(self, key: str) -> Peer | None:
         """The peer for ``key`` when it loaded, else None."""
