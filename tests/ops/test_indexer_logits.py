@@ -650,26 +650,34 @@ print("built")
     assert "built" in run_compiled_script(script)
 
 
-def test_mxfp4_gluon_decode_compiles_for_hopper():
-    """The Gluon MXFP4 decode builds for sm_90 on any machine at the shapes it is chosen for, with
-    the table-decode PTX and both wgmmas (scores, head sums); in a fresh interpreter."""
-    pytest.importorskip("triton.experimental.gluon")
-    script = """
+#: Script head for ``run_compiled_script``: ``build(heads, next_n, rows, rows2, per_row, pairs)``
+#: compiles the Gluon MXFP4 decode for sm_90 (16 pages a program) and returns the compiled kernel.
+MXFP4_GLUON_BUILD = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from dsacache.ops.indexer_logits.decode_gluon import paged_decode_mxfp4_kernel as kernel
 
-for heads, next_n, rows, rows2, per_row, pairs in ((32, 1, 1, 0, False, True), (32, 1, 1, 0, True, False),
-                                                  (64, 2, 2, 0, True, False), (32, 3, 4, 0, True, False),
-                                                  (32, 3, 2, 1, True, False), (128, 1, 1, 0, False, False)):
+def build(heads, next_n, rows, rows2, per_row, pairs):
     signature = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", lens_ptr="*i32", pages_ptr="*u8", bt_ptr="*i32",
                      out_ptr="*fp32", num_pages="i32", max_blocks="i32", bt_stride="i32", page_stride="i32",
                      max_model_len="i32", out_stride="i32", minus_one="i32")
     constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=per_row, TILES=16, ROWS2=rows2, PAIRS=pairs)
     signature.update({name: "constexpr" for name in constants})
-    compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4})
+    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
+"""
+
+
+def test_mxfp4_gluon_decode_compiles_for_hopper():
+    """The Gluon MXFP4 decode builds for sm_90 on any machine at the shapes it is chosen for, with
+    the table-decode PTX and both wgmmas (scores, head sums); in a fresh interpreter."""
+    pytest.importorskip("triton.experimental.gluon")
+    script = MXFP4_GLUON_BUILD + """
+for heads, next_n, rows, rows2, per_row, pairs in ((32, 1, 1, 0, False, True), (32, 1, 1, 0, True, False),
+                                                  (64, 2, 2, 0, True, False), (32, 3, 4, 0, True, False),
+                                                  (32, 3, 2, 1, True, False), (128, 1, 1, 0, False, False)):
+    compiled = build(heads, next_n, rows, rows2, per_row, pairs)
     ptx = compiled.asm["ptx"]
     assert "prmt.b32" in ptx and compiled.asm["cubin"]
     # Score products on the decoded keys (one or two), then the head sums, as in the FP8 kernel; two
@@ -690,20 +698,10 @@ def test_mxfp4_gluon_decode_complements_selectors_on_the_fma_pipe():
     IMADs a page and thread, none of the old flips. SASS for sm_90 from Triton's own ptxas and
     cuobjdump, in a fresh interpreter."""
     pytest.importorskip("triton.experimental.gluon")
-    script = """
+    script = MXFP4_GLUON_BUILD + """
 import os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from dsacache.ops.indexer_logits.decode_gluon import paged_decode_mxfp4_kernel as kernel
 
-signature = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", lens_ptr="*i32", pages_ptr="*u8", bt_ptr="*i32",
-                 out_ptr="*fp32", num_pages="i32", max_blocks="i32", bt_stride="i32", page_stride="i32",
-                 max_model_len="i32", out_stride="i32", minus_one="i32")
-constants = dict(NEXT_N=2, ROWS=2, H=32, PER_ROW=False, TILES=16, ROWS2=0, PAIRS=False)
-signature.update({name: "constexpr" for name in constants})
-compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4})
+compiled = build(32, 2, 2, 0, False, False)
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.cubin")

@@ -4,6 +4,7 @@ one) through a small model of the PTX instructions they use and checks it bit-ex
 the plain-op decode (``nibble_to_e4m3``) that the interpreter runs, for every byte value in
 every byte position of a word, every kept group offset and dropped groups."""
 
+import functools
 import random
 import sys
 
@@ -23,6 +24,7 @@ def _text(asm):
 ASM = _text(WORD_DECODE_ASM)
 
 
+@functools.cache
 def gluon_half_asm():
     pytest.importorskip("triton.experimental.gluon")
     from dsacache.ops.indexer_logits.decode_gluon import _HALF_ASM
