@@ -650,7 +650,7 @@ print("built")
     assert "built" in run_compiled_script(script)
 
 
-#: Script head for ``run_compiled_script``: ``build(heads, next_n, rows, rows2, per_row, pairs)``
+#: Script head for ``run_compiled_script``: ``build(heads, next_n, rows, rows2, per_row, pairs, flag)``
 #: compiles the Gluon MXFP4 decode for sm_90 (16 pages a program) and returns the compiled kernel.
 MXFP4_GLUON_BUILD = """
 import triton
@@ -658,11 +658,12 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from dsacache.ops.indexer_logits.decode_gluon import paged_decode_mxfp4_kernel as kernel
 
-def build(heads, next_n, rows, rows2, per_row, pairs):
+def build(heads, next_n, rows, rows2, per_row, pairs, flag=False):
     signature = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", lens_ptr="*i32", pages_ptr="*u8", bt_ptr="*i32",
                      out_ptr="*fp32", num_pages="i32", max_blocks="i32", bt_stride="i32", page_stride="i32",
                      max_model_len="i32", out_stride="i32", minus_one="i32")
-    constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=per_row, TILES=16, ROWS2=rows2, PAIRS=pairs)
+    constants = dict(NEXT_N=next_n, ROWS=rows, H=heads, PER_ROW=per_row, TILES=16, ROWS2=rows2, PAIRS=pairs,
+                     FLAG=flag)
     signature.update({name: "constexpr" for name in constants})
     return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})
@@ -674,10 +675,10 @@ def test_mxfp4_gluon_decode_compiles_for_hopper():
     the table-decode PTX and both wgmmas (scores, head sums); in a fresh interpreter."""
     pytest.importorskip("triton.experimental.gluon")
     script = MXFP4_GLUON_BUILD + """
-for heads, next_n, rows, rows2, per_row, pairs in ((32, 1, 1, 0, False, True), (32, 1, 1, 0, True, False),
-                                                  (64, 2, 2, 0, True, False), (32, 3, 4, 0, True, False),
-                                                  (32, 3, 2, 1, True, False), (128, 1, 1, 0, False, False)):
-    compiled = build(heads, next_n, rows, rows2, per_row, pairs)
+for heads, next_n, rows, rows2, per_row, pairs, flag in (
+        (32, 1, 1, 0, False, True, False), (32, 1, 1, 0, True, False, True), (64, 2, 2, 0, True, False, False),
+        (32, 3, 4, 0, True, False, True), (32, 3, 2, 1, True, False, True), (128, 1, 1, 0, False, False, True)):
+    compiled = build(heads, next_n, rows, rows2, per_row, pairs, flag)
     ptx = compiled.asm["ptx"]
     assert "prmt.b32" in ptx and compiled.asm["cubin"]
     # Score products on the decoded keys (one or two), then the head sums, as in the FP8 kernel; two
@@ -701,7 +702,7 @@ def test_mxfp4_gluon_decode_complements_selectors_on_the_fma_pipe():
     script = MXFP4_GLUON_BUILD + """
 import os, re, subprocess, tempfile
 
-compiled = build(32, 2, 2, 0, False, False)
+compiled = build(32, 2, 2, 0, False, False, True)
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.cubin")
@@ -713,6 +714,31 @@ print(imad, alu)
 """
     imad, alu = map(int, run_compiled_script(script).split()[-2:])
     assert imad > 0 and imad % 16 == 0 and alu == 0, (imad, alu)
+
+
+def test_mxfp4_gluon_decode_zeroes_dropped_groups_by_multiply_with_flag():
+    """With ``FLAG`` a dropped group's tables are zeroed by a 0/1 flag, one shift by 8 and IMADs (FMA
+    pipe), not by a compare and four SELs a group (ALU pipe); without it, by the SELs. SASS for sm_90
+    from Triton's own ptxas and cuobjdump, in a fresh interpreter."""
+    pytest.importorskip("triton.experimental.gluon")
+    script = MXFP4_GLUON_BUILD + """
+import os, re, subprocess, tempfile
+
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for flag in (True, False):
+    compiled = build(32, 2, 2, 0, False, False, flag)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        open(path, "wb").write(compiled.asm["cubin"])
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    flags = len(re.findall(r"SHF\\.R\\.U32\\.HI R\\d+, RZ, 0x8, ", sass))
+    zeroing = len(re.findall(r"SEL R\\d+, R\\d+, RZ, ", sass))
+    print(flags, zeroing)
+"""
+    lines = run_compiled_script(script).strip().split("\n")
+    (flags, zeroing), (select_flags, select_zeroing) = [tuple(map(int, line.split())) for line in lines[-2:]]
+    assert flags >= 2 and zeroing < 8, (flags, zeroing)
+    assert select_flags == 0 and select_zeroing >= 8, (select_flags, select_zeroing)
 
 
 def test_docstring_examples_run():

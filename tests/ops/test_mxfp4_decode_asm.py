@@ -1,6 +1,6 @@
 """The MXFP4 -> e4m3 table decode is inline PTX that only runs on a GPU. This runs the
 kernels' own asm text (the Triton kernel's whole-word decode and the Gluon kernel's half-word
-one) through a small model of the PTX instructions they use and checks it bit-exact against
+ones, dropped groups zeroed by selects or by a multiply) through a small model of the PTX instructions they use and checks it bit-exact against
 the plain-op decode (``nibble_to_e4m3``) that the interpreter runs, for every byte value in
 every byte position of a word, every kept group offset and dropped groups."""
 
@@ -25,11 +25,12 @@ ASM = _text(WORD_DECODE_ASM)
 
 
 @functools.cache
-def gluon_half_asm():
+def gluon_half_asm(flag=False):
+    """The Gluon kernel's half-word decode: tables zeroed by selects, or by a multiply (``flag``)."""
     pytest.importorskip("triton.experimental.gluon")
-    from dsacache.ops.indexer_logits.decode_gluon import _HALF_ASM
+    from dsacache.ops.indexer_logits.decode_gluon import _HALF_ASM, _HALF_FLAG_ASM
 
-    return _text(_HALF_ASM)
+    return _text(_HALF_FLAG_ASM if flag else _HALF_ASM)
 
 
 def prmt(a, b, c):
@@ -54,6 +55,7 @@ OPS = {
     "setp.ge.s32": lambda v: s32(v[0]) >= s32(v[1]),
     "mad.lo.s32": lambda v: (s32(v[0]) * s32(v[1]) + s32(v[2])) & M32,
     "mad.lo.u32": lambda v: (v[0] * v[1] + v[2]) & M32,
+    "mul.lo.u32": lambda v: (v[0] * v[1]) & M32,
     "not.b32": lambda v: ~v[0] & M32,
     "xor.b32": lambda v: v[0] ^ v[1],
     "prmt.b32": lambda v: prmt(*v),
@@ -91,10 +93,15 @@ def word_decode(word, t):
     return regs["$0"], regs["$1"]
 
 
-def half_decode(word, t):
-    """The Gluon kernel's decode of one word, a call a half: (low half, high half); its $13 is -1."""
-    asm = gluon_half_asm()
-    return tuple(run_asm(asm, {"$1": word, "$5": shift, "$9": t, "$13": -1})["$0"] for shift in (0, 16))
+def half_decode(word, t, flag=False):
+    """The Gluon kernel's decode of one word, a call a half: (low half, high half); its $13 is -1,
+    and $17 (the multiply form's one) 1."""
+    asm = gluon_half_asm(flag)
+    return tuple(run_asm(asm, {"$1": word, "$5": shift, "$9": t, "$13": -1, "$17": 1})["$0"] for shift in (0, 16))
+
+
+def half_flag_decode(word, t):
+    return half_decode(word, t, flag=True)
 
 
 def nibble_to_e4m3(code, offset):
@@ -114,7 +121,8 @@ def check_word(word, t, decode=word_decode):
             assert (got >> (8 * j)) & 0xFF == nibble_to_e4m3(code, offset), (hex(word), t, half, j)
 
 
-@pytest.mark.parametrize("decode", [word_decode, half_decode], ids=["triton_word", "gluon_half"])
+@pytest.mark.parametrize("decode", [word_decode, half_decode, half_flag_decode],
+                         ids=["triton_word", "gluon_half", "gluon_half_flag"])
 @pytest.mark.parametrize("t", list(range(-3, 12)) + [-13, -244])
 def test_table_asm_every_byte_in_every_position(t, decode):
     rng = random.Random(t)
@@ -140,7 +148,21 @@ def test_the_model_catches_a_table_in_the_wrong_order(monkeypatch):
     """The negative table is read with the complemented codes, so it must be stored reversed: the
     order of the sign-flip decode (a table in code order) gives wrong bytes."""
     asm = gluon_half_asm().replace("0x4C4E5052", "0x4A484440").replace("0x4044484A", "0x52504E4C")
-    monkeypatch.setattr(sys.modules[__name__], "gluon_half_asm", lambda: asm)
+    monkeypatch.setattr(sys.modules[__name__], "gluon_half_asm", lambda flag=False: asm)
     with pytest.raises(AssertionError):
         for value in range(256):
             check_word(value * 0x01010101, 3, half_decode)
+
+
+def test_the_model_catches_a_flag_that_keeps_dropped_groups(monkeypatch):
+    """The multiply form's flag must be 1 for every kept group and 0 for every dropped one: a shift
+    by 9 instead of 8 zeroes kept groups too, and a bias of 512 keeps dropped ones down to t = -256."""
+    right = gluon_half_asm(True)
+    for wrong in (("shr.u32 flag, flag, 8", "shr.u32 flag, flag, 9"), ("256;", "512;")):
+        asm = right.replace(*wrong)
+        assert asm != right
+        monkeypatch.setattr(sys.modules[__name__], "gluon_half_asm", lambda flag=False, asm=asm: asm)
+        with pytest.raises(AssertionError):
+            for t in (-1, -244, 0, 11):
+                for value in range(256):
+                    check_word(value * 0x01010101, t, half_flag_decode)

@@ -55,18 +55,30 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsacache.ops.indexer_logits.mxfp4_e4m3 import group_tables_ptx, table_columns, table_decode_ptx, table_lookup_ptx
+from dsacache.ops.indexer_logits.mxfp4_e4m3 import (
+    group_tables_flag_ptx,
+    group_tables_ptx,
+    table_columns,
+    table_decode_ptx,
+    table_lookup_ptx,
+)
 from dsacache.ops.triton_utils import block_table_page
 
 # One register of e4m3 bytes from half s of a packed word: $1 the word, $5 the half's shift
-# (0 or 16), $9 the group's t (< 0: dropped), $13 -1. Tables and sign trick as in
-# WORD_DECODE_ASM (mxfp4_e4m3.py); the selector's complement is 0xFFFF + (-1) * selector, with
-# the -1 a kernel argument: ptxas would turn a multiply by a literal -1 into an ALU subtract,
-# and the ALU pipe is what the decode waits on (the FMA pipe has room). pack=4 hands each
-# input over four times, only the first is read.
-_HALF_ASM = gl.constexpr(table_decode_ptx(
-    group_tables_ptx("$9") + "shr.u32 sel, $1, $5;\nmad.lo.u32 flip, sel, $13, 65535;\n"
-    + table_lookup_ptx("$0", "sel")))
+# (0 or 16), $9 the group's t (< 0: dropped), $13 -1, and for _HALF_FLAG_ASM $17 1. Tables and
+# sign trick as in WORD_DECODE_ASM (mxfp4_e4m3.py); the selector's complement is 0xFFFF + (-1) *
+# selector, with the -1 a kernel argument: ptxas would turn a multiply by a literal -1 into an
+# ALU subtract, and the ALU pipe is what the decode waits on (the FMA pipe has room).
+# _HALF_FLAG_ASM zeroes a dropped group's tables by a multiply (group_tables_flag_ptx), more of
+# the same trade, where registers allow (launch.py, gluon_flag_columns).
+# pack=4 hands each input over four times, only the first is read.
+def _half_asm(tables: str) -> str:
+    return table_decode_ptx(tables + "shr.u32 sel, $1, $5;\nmad.lo.u32 flip, sel, $13, 65535;\n"
+                            + table_lookup_ptx("$0", "sel"))
+
+
+_HALF_ASM = gl.constexpr(_half_asm(group_tables_ptx("$9")))
+_HALF_FLAG_ASM = gl.constexpr(_half_asm(group_tables_flag_ptx("$9", "$17")))
 
 
 # relu and the bf16 rounding of two accumulators in one instruction ($1 the first, low half).
@@ -201,9 +213,10 @@ def _word_load_layout():
 
 
 @gluon.jit
-def _decode(words, scale, minus_one, KEYS: gl.constexpr, A: gl.constexpr):
+def _decode(words, scale, minus_one, KEYS: gl.constexpr, A: gl.constexpr, FLAG: gl.constexpr):
     """Words [64, 4, 4] and scales [64, 4] -> (e4m3 A operand [64, 128], top scale byte [64]);
-    ``minus_one``: the kernel's -1 argument (``_HALF_ASM``)."""
+    ``minus_one``: the kernel's -1 argument; ``FLAG``: dropped groups zeroed by a multiply
+    (``_HALF_FLAG_ASM``) instead of selects (``_HALF_ASM``)."""
     top = gl.max(scale, axis=1)
     t = scale - top[:, None] + 11
     half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, KEYS)))))
@@ -211,8 +224,13 @@ def _decode(words, scale, minus_one, KEYS: gl.constexpr, A: gl.constexpr):
     w5 = gl.broadcast(words[:, :, None, :, None], gl.zeros([64, 4, 2, 4, 4], gl.int32, KEYS))[0]
     t5 = t[:, None, None, :, None]
     m1 = gl.full([64, 4, 2, 4, 4], minus_one, gl.int32, KEYS)
-    byte = gl.inline_asm_elementwise(_HALF_ASM, "=r" + ",r" * 16, [w5, shift, t5, m1], dtype=gl.uint8,
-                                     is_pure=True, pack=4)
+    if FLAG:
+        one = gl.full([64, 4, 2, 4, 4], minus_one * minus_one, gl.int32, KEYS)
+        byte = gl.inline_asm_elementwise(_HALF_FLAG_ASM, "=r" + ",r" * 20, [w5, shift, t5, m1, one], dtype=gl.uint8,
+                                         is_pure=True, pack=4)
+    else:
+        byte = gl.inline_asm_elementwise(_HALF_ASM, "=r" + ",r" * 16, [w5, shift, t5, m1], dtype=gl.uint8,
+                                         is_pure=True, pack=4)
     keys = gl.reshape(byte, [64, 128])
     keys = gl.convert_layout(keys, A, assert_trivial=True)
     return keys.to(gl.float8e4nv, bitcast=True), top
@@ -228,10 +246,11 @@ def paged_decode_mxfp4_kernel(
     bt_ptr,           # [B, max_blocks] int32
     out_ptr,          # [B * NEXT_N, max_model_len] fp32
     num_pages, max_blocks, bt_stride, page_stride, max_model_len, out_stride,
-    minus_one,        # -1, a multiplier ptxas cannot see (_HALF_ASM)
+    minus_one,        # -1, a multiplier ptxas cannot see (_HALF_ASM, _HALF_FLAG_ASM)
     NEXT_N: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, PER_ROW: gl.constexpr, TILES: gl.constexpr,
     ROWS2: gl.constexpr = 0,  # query rows of a second score product after the ROWS of the first (0: none)
     PAIRS: gl.constexpr = False,  # two pages an iteration (launch.py: for narrow products only)
+    FLAG: gl.constexpr = False,   # dropped groups' tables zeroed by a multiply, not selects (_HALF_FLAG_ASM)
 ):
     PAGE: gl.constexpr = 64
     MMA: gl.constexpr = _score_mma_layout(ROWS * H)
@@ -266,19 +285,21 @@ def paged_decode_mxfp4_kernel(
         # num_scored + 1 at most, inside the two slots past num_scored that _block_entries fills with -1.
         for t in range(0, num_scored - 1, 2):
             words_b, scales_b, base_c, ok_c = _next_pages(base_b, entries, t + 2, pages, offs)
-            _score_page(words_a, scales_a, ok_a, t * PAGE, zeros, operands, minus_one, ROWS2 > 0, *out_args)
+            _score_page(words_a, scales_a, ok_a, t * PAGE, zeros, operands, minus_one, ROWS2 > 0, FLAG, *out_args)
             ok_page = ok_b
             words_a, scales_a, base_b, ok_b = _next_pages(base_c, entries, t + 3, pages, offs)
-            _score_page(words_b, scales_b, ok_page, (t + 1) * PAGE, zeros, operands, minus_one, ROWS2 > 0, *out_args)
+            _score_page(words_b, scales_b, ok_page, (t + 1) * PAGE, zeros, operands, minus_one, ROWS2 > 0, FLAG,
+                        *out_args)
             ok_a = ok_c
         if num_scored % 2 == 1:
-            _score_page(words_a, scales_a, ok_a, (num_scored - 1) * PAGE, zeros, operands, minus_one, ROWS2 > 0, *out_args)
+            _score_page(words_a, scales_a, ok_a, (num_scored - 1) * PAGE, zeros, operands, minus_one, ROWS2 > 0,
+                        FLAG, *out_args)
     else:
         for t in range(num_scored):
             words, scales, ok = words_a, scales_a, ok_a
             ok_a = ok_b
             words_a, scales_a, base_b, ok_b = _next_pages(base_b, entries, t + 2, pages, offs)
-            _score_page(words, scales, ok, t * PAGE, zeros, operands, minus_one, ROWS2 > 0, *out_args)
+            _score_page(words, scales, ok, t * PAGE, zeros, operands, minus_one, ROWS2 > 0, FLAG, *out_args)
     _fill_blank(out_rows, row_ok, tok2, col0, num_scored, max_model_len, TILES)
 
 
@@ -372,17 +393,18 @@ def _load_page(base, offs):
 
 
 @gluon.jit
-def _score_page(words, scales, ok, offset, zeros, operands, minus_one, TWO: gl.constexpr, out_rows, row_ok, tok2,
-                len2, col0, max_model_len):
+def _score_page(words, scales, ok, offset, zeros, operands, minus_one, TWO: gl.constexpr, FLAG: gl.constexpr,
+                out_rows, row_ok, tok2, len2, col0, max_model_len):
     """Decode a page, score it against the queries and store its [64, rows] logits at columns
     ``col0 + offset + token`` (-inf where unreadable or past a row's length). ``zeros``: [64, N]
     fp32 zeros in the layouts of the score products, ``operands``: ``_products_operands``,
-    ``minus_one``: the kernel's -1 argument, ``TWO``: whether there is a second product."""
+    ``minus_one``: the kernel's -1 argument, ``TWO``: whether there is a second product,
+    ``FLAG``: the kernel's (``_decode``)."""
     q_smem, w_smem, q2_smem, w2_smem = operands
     KEYS: gl.constexpr = _key_layout()
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zeros[0].type.layout, k_width=4)
     keys, top = _decode(gl.convert_layout(words, gl.SliceLayout(2, gl.SliceLayout(4, KEYS))), scales, minus_one,
-                        KEYS, A)
+                        KEYS, A, FLAG)
     acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zeros[0], use_acc=False, is_async=True)
     if TWO:
         # The same A registers; the second product's layout differs only in its width.

@@ -63,6 +63,10 @@ MXFP4_DECODE_CONFIG: dict = {
                                # ptxas then keeps no per-page register copies, 169 instead of 182 instructions a
                                # page and warp at 64 registers (8 programs an SM); wider products took 10-12
                                # registers more, a program an SM fewer, and were slower (docs/benchmarks.md)
+    "gluon_flag_columns": 192,  # Gluon, one page an iteration up to this many product columns: a dropped group's
+                                # tables zeroed by a 0/1 multiply (FMA pipe) instead of selects (ALU pipe), 1-3 %
+                                # faster; the selects elsewhere, where they need fewer registers (two pages an
+                                # iteration 63 against 72, 256 columns 173 against 180) and were faster
 }
 #: Ragged prefill settings.
 PREFILL_CONFIG = {
@@ -214,15 +218,16 @@ def _launch_gluon_mxfp4_decode(q, weights, context_lens, values, scales, block_t
     batch, next_n, num_heads, head_dim = q.shape
     max_model_len = out.shape[1]
     rows, rows2 = gluon_product_rows(cfg, next_n)
-    wide = (rows + rows2) * num_heads >= 128
-    tiles, runs = _page_runs(q, max_model_len, cfg["gluon_wide_tiles"] if wide else cfg["TILES"],
+    columns = (rows + rows2) * num_heads
+    pairs = columns <= cfg["gluon_pair_columns"]
+    tiles, runs = _page_runs(q, max_model_len, cfg["gluon_wide_tiles"] if columns >= 128 else cfg["TILES"],
                              cfg["gluon_min_programs_per_sm"], 4)
     paged_decode_mxfp4_kernel[(runs, batch)](
         q, weights, context_lens, values, block_table, out,
         values.shape[0], block_table.shape[1], block_table.stride(0), values.stride(0), max_model_len,
         out.stride(0), -1, NEXT_N=next_n, ROWS=rows, H=num_heads,
         PER_ROW=context_lens.dim() == 2, TILES=tiles, ROWS2=rows2,
-        PAIRS=(rows + rows2) * num_heads <= cfg["gluon_pair_columns"], num_warps=4,
+        PAIRS=pairs, FLAG=not pairs and columns <= cfg["gluon_flag_columns"], num_warps=4,
     )
 
 

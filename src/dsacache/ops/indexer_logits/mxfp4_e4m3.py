@@ -89,13 +89,34 @@ selp.b32 nh, nh, 0, kept;
 """
 
 
+# The same tables with a dropped group zeroed by a multiply instead of a predicate and four
+# selects: t >= -244 (a scale byte is at most 255 below its token's largest), so (t + 256) >> 8
+# is 1 for a kept group and 0 for a dropped one. With the 1 of `t * one` an operand ptxas cannot
+# see, the add and the four products are IMADs (FMA pipe); one shift a group stays on the ALU
+# pipe instead of a compare and four SELs. It costs registers where a loop holds two pages.
+def group_tables_flag_ptx(t: str, one: str) -> str:
+    """PTX that builds the tables of :func:`group_tables_ptx` from the group's t in operand ``t``,
+    a dropped group's zeroed by a 0/1 multiply; operand ``one`` must hold 1."""
+    return f"""mad.lo.s32 flag, {t}, {one}, 256;
+shr.u32 flag, flag, 8;
+mad.lo.s32 pl, {t}, 0x08080800, 0x14100800;
+mad.lo.s32 ph, {t}, 0x08080808, 0x24201C18;
+mad.lo.s32 nl, {t}, 0x04040404, 0x4C4E5052;
+mad.lo.s32 nh, {t}, 0x00040404, 0x4044484A;
+mul.lo.u32 pl, pl, flag;
+mul.lo.u32 ph, ph, flag;
+mul.lo.u32 nl, nl, flag;
+mul.lo.u32 nh, nh, flag;
+"""
+
+
 def table_decode_ptx(body: str) -> str:
     """An inline-asm block declaring the registers of the table decode around ``body``, which
     builds the tables (:func:`group_tables_ptx`) and looks values up (:func:`table_lookup_ptx`)."""
     return """
 {
 .reg .pred kept;
-.reg .b32 pl, ph, nl, nh, sel, flip, pos, neg;
+.reg .b32 pl, ph, nl, nh, sel, flip, pos, neg, flag;
 """ + body + "}\n"
 
 
