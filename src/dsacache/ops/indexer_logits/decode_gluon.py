@@ -139,8 +139,10 @@ def _head_sum_product(acc, w_smem, sums, USE_ACC: gl.constexpr):
     """``sums (+)= relu(acc) . w`` for a score product ``acc`` [64, N] (fp32, columns = rows x
     heads) and its head weights (``_head_weight_operand``), issued as a wgmma: relu(acc) rounded
     to bf16 straight into its A registers (the accumulator layout is the A operand layout). Per
-    page and thread that is N / 8 conversions and N / 64 wgmmas instead of N / 2 FP32
-    instructions and the quad shuffles."""
+    page that is N / 4 conversions a thread (two values each, on the ALU pipe) and N / 16 wgmmas
+    instead of N / 2 FP32 instructions a thread and the quad shuffles. (TF32 products straight
+    from the accumulators, relu as x + |x| on the FMA pipe, were slower at nearly every shape:
+    twice the wgmmas, docs/benchmarks.md.)"""
     S: gl.constexpr = _sum_mma_layout()
     p = gl.inline_asm_elementwise(_RELU_BF16X2_ASM, "=r,r,r", [acc], dtype=gl.bfloat16, is_pure=True, pack=2)
     p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=S, k_width=2), assert_trivial=True)
