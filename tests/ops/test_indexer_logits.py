@@ -651,8 +651,10 @@ print("built")
 
 
 #: Script head for ``run_compiled_script``: ``build(heads, next_n, rows, rows2, per_row, pairs, flag)``
-#: compiles the Gluon MXFP4 decode for sm_90 (16 pages a program) and returns the compiled kernel.
+#: compiles the Gluon MXFP4 decode for sm_90 (16 pages a program) and returns the compiled kernel;
+#: ``sass(compiled)`` is its SASS from Triton's own cuobjdump.
 MXFP4_GLUON_BUILD = """
+import os, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -667,6 +669,13 @@ def build(heads, next_n, rows, rows2, per_row, pairs, flag=False):
     signature.update({name: "constexpr" for name in constants})
     return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})
+
+def sass(compiled):
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        open(path, "wb").write(compiled.asm["cubin"])
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
 """
 
 
@@ -700,16 +709,11 @@ def test_mxfp4_gluon_decode_complements_selectors_on_the_fma_pipe():
     cuobjdump, in a fresh interpreter."""
     pytest.importorskip("triton.experimental.gluon")
     script = MXFP4_GLUON_BUILD + """
-import os, re, subprocess, tempfile
+import re
 
-compiled = build(32, 2, 2, 0, False, False, True)
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "k.cubin")
-    open(path, "wb").write(compiled.asm["cubin"])
-    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-imad = len(re.findall(r"IMAD R\\d+, R\\d+, R\\d+(?:\\.reuse)?, 0xffff ", sass))
-alu = len(re.findall(r"(?:IADD3|LOP3)[^;]*0x(?:ffff|8888)", sass))
+code = sass(build(32, 2, 2, 0, False, False, True))
+imad = len(re.findall(r"IMAD R\\d+, R\\d+, R\\d+(?:\\.reuse)?, 0xffff ", code))
+alu = len(re.findall(r"(?:IADD3|LOP3)[^;]*0x(?:ffff|8888)", code))
 print(imad, alu)
 """
     imad, alu = map(int, run_compiled_script(script).split()[-2:])
@@ -722,17 +726,12 @@ def test_mxfp4_gluon_decode_zeroes_dropped_groups_by_multiply_with_flag():
     from Triton's own ptxas and cuobjdump, in a fresh interpreter."""
     pytest.importorskip("triton.experimental.gluon")
     script = MXFP4_GLUON_BUILD + """
-import os, re, subprocess, tempfile
+import re
 
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for flag in (True, False):
-    compiled = build(32, 2, 2, 0, False, False, flag)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        open(path, "wb").write(compiled.asm["cubin"])
-        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    flags = len(re.findall(r"SHF\\.R\\.U32\\.HI R\\d+, RZ, 0x8, ", sass))
-    zeroing = len(re.findall(r"SEL R\\d+, R\\d+, RZ, ", sass))
+    code = sass(build(32, 2, 2, 0, False, False, flag))
+    flags = len(re.findall(r"SHF\\.R\\.U32\\.HI R\\d+, RZ, 0x8, ", code))
+    zeroing = len(re.findall(r"SEL R\\d+, R\\d+, RZ, ", code))
     print(flags, zeroing)
 """
     lines = run_compiled_script(script).strip().split("\n")

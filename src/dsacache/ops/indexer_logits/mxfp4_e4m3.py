@@ -74,14 +74,19 @@ def table_columns(col, G: tl.constexpr):
 # by the halving, and -0 stays 0x80 as in `nibble_to_e4m3`). The complement of the low 16 bits
 # is 0xFFFF - selector, no borrow, so it can run as an integer multiply-add on the FMA pipe
 # instead of a logic op on the ALU pipe, which the lookups keep busy (docs/benchmarks.md).
-def group_tables_ptx(t: str) -> str:
-    """PTX that builds a group's four prmt tables (pl, ph, nl, nh; all zero for a dropped
-    group) from its t in operand ``t``."""
-    return f"""setp.ge.s32 kept, {t}, 0;
-mad.lo.s32 pl, {t}, 0x08080800, 0x14100800;
+def _group_table_words_ptx(t: str) -> str:
+    """PTX: a kept group's four prmt tables (pl, ph, nl, nh) from its t in operand ``t``."""
+    return f"""mad.lo.s32 pl, {t}, 0x08080800, 0x14100800;
 mad.lo.s32 ph, {t}, 0x08080808, 0x24201C18;
 mad.lo.s32 nl, {t}, 0x04040404, 0x4C4E5052;
 mad.lo.s32 nh, {t}, 0x00040404, 0x4044484A;
+"""
+
+
+def group_tables_ptx(t: str) -> str:
+    """PTX that builds a group's four prmt tables (pl, ph, nl, nh; all zero for a dropped
+    group) from its t in operand ``t``."""
+    return f"setp.ge.s32 kept, {t}, 0;\n" + _group_table_words_ptx(t) + """
 selp.b32 pl, pl, 0, kept;
 selp.b32 ph, ph, 0, kept;
 selp.b32 nl, nl, 0, kept;
@@ -97,12 +102,8 @@ selp.b32 nh, nh, 0, kept;
 def group_tables_flag_ptx(t: str, one: str) -> str:
     """PTX that builds the tables of :func:`group_tables_ptx` from the group's t in operand ``t``,
     a dropped group's zeroed by a 0/1 multiply; operand ``one`` must hold 1."""
-    return f"""mad.lo.s32 flag, {t}, {one}, 256;
-shr.u32 flag, flag, 8;
-mad.lo.s32 pl, {t}, 0x08080800, 0x14100800;
-mad.lo.s32 ph, {t}, 0x08080808, 0x24201C18;
-mad.lo.s32 nl, {t}, 0x04040404, 0x4C4E5052;
-mad.lo.s32 nh, {t}, 0x00040404, 0x4044484A;
+    flag = f"mad.lo.s32 flag, {t}, {one}, 256;\nshr.u32 flag, flag, 8;\n"
+    return flag + _group_table_words_ptx(t) + """
 mul.lo.u32 pl, pl, flag;
 mul.lo.u32 ph, ph, flag;
 mul.lo.u32 nl, nl, flag;
