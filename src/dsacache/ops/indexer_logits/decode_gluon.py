@@ -5,7 +5,7 @@ Both score a page as one wgmma of the 64 keys against all query rows of the requ
 H columns, so each page is read once), then sum the heads with a second wgmma
 (``_mma_head_sums``): ``relu(q.k)`` is rounded to bf16 straight into its A registers and
 multiplied by the head weights (bf16 plus the bf16 of what that rounding left, so the weights
-keep ~16 significant bits), one output column pair per query row. That replaces N / 2 FP32
+keep ~16 significant bits), one output column pair per query row. That replaces ~N FP32
 instructions a thread and the quad shuffles of a sum over the accumulator. The bf16 rounding
 moves a head's term by at most 2**-9 relative (calc-diff against the FP32 reference ~1e-7, far
 inside the 1e-3 / 2e-2 tolerances); the Triton kernel keeps FP32 throughout.
@@ -140,9 +140,10 @@ def _head_sum_product(acc, w_smem, sums, USE_ACC: gl.constexpr):
     heads) and its head weights (``_head_weight_operand``), issued as a wgmma: relu(acc) rounded
     to bf16 straight into its A registers (the accumulator layout is the A operand layout). Per
     page that is N / 4 conversions a thread (two values each, on the ALU pipe) and N / 16 wgmmas
-    instead of N / 2 FP32 instructions a thread and the quad shuffles. (TF32 products straight
-    from the accumulators, relu as x + |x| on the FMA pipe, were slower at nearly every shape:
-    twice the wgmmas, docs/benchmarks.md.)"""
+    instead of ~N FP32 instructions a thread and the quad shuffles. (Measured against it and
+    slower at nearly every shape, docs/benchmarks.md: TF32 products straight from the
+    accumulators, relu as x + |x| on the FMA pipe, twice the wgmmas; and those FP32 sums with
+    the shuffles, ~18 registers more.)"""
     S: gl.constexpr = _sum_mma_layout()
     p = gl.inline_asm_elementwise(_RELU_BF16X2_ASM, "=r,r,r", [acc], dtype=gl.bfloat16, is_pure=True, pack=2)
     p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=S, k_width=2), assert_trivial=True)
