@@ -1,8 +1,9 @@
 """The MXFP4 -> e4m3 table decode is inline PTX that only runs on a GPU. This runs the
 kernels' own asm text (the Triton kernel's whole-word decode and the Gluon kernel's half-word
-ones, dropped groups zeroed by selects or by a multiply) through a small model of the PTX instructions they use and checks it bit-exact against
-the plain-op decode (``nibble_to_e4m3``) that the interpreter runs, for every byte value in
-every byte position of a word, every kept group offset and dropped groups."""
+ones, dropped groups zeroed by selects or by a multiply) through a small model of the PTX
+instructions they use and checks it bit-exact against the plain-op decode (``nibble_to_e4m3``)
+that the interpreter runs, for every byte value in every byte position of a word, every kept
+group offset and dropped groups."""
 
 import functools
 import random
